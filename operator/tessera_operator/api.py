@@ -1,0 +1,247 @@
+"""The InferenceCluster resource: pydantic models are the single source of its schema.
+
+`crdgen.py` turns these models into the CRD's structural OpenAPI schema (`crds/`), the
+reconciler parses objects with them, so the API server's defaults and the operator's
+defaults can never disagree. Field names are camelCase on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "tessera.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceCluster"
+PLURAL = "inferenceclusters"
+SINGULAR = "inferencecluster"
+SHORT_NAMES = ["ic"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+QUEUE_DEPTH_METRIC = "tessera:num_requests_waiting"
+# A Kubernetes resource quantity (e.g. 2Gi, 512Mi, 1e9, 1500000000).
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][0-9]+|[KMGTPE]i?|k|m)?$"
+
+# Kubernetes objects the operator passes through unchanged into the pod: the API server
+# validates them when the pod is created, the CRD keeps them as free-form objects.
+FREE_FORM: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+
+def free_form(description: str) -> Any:
+    return Field(
+        default=None,
+        description=description,
+        json_schema_extra={"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+def free_form_list(description: str) -> Any:
+    return Field(
+        default_factory=list,
+        description=description,
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+
+
+class Wire(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are rejected by the API server."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class ModelSpec(Wire):
+    """Which model every rank loads."""
+
+    source: str = Field(
+        min_length=1,
+        description="Model alias (e.g. smollm2-135m-instruct), local Hugging Face folder, or .gguf file.",
+    )
+    served_name: str | None = Field(
+        default=None, description="Name clients use in the OpenAI API (default: the source)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="Weight and activation dtype."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="Maximum context length (default: the model's)."
+    )
+
+
+class ParallelismSpec(Wire):
+    """How one replica group splits the model: pods per group = tensor x pipeline."""
+
+    tensor: int = Field(default=1, ge=1, le=64, description="Tensor-parallel ranks per pipeline stage.")
+    pipeline: int = Field(default=1, ge=1, le=64, description="Pipeline stages.")
+    sequence_parallel: bool = Field(
+        default=False, description="Shard activations over tokens inside a TP group (needs tensor > 1)."
+    )
+    layer_partition: list[int] | None = Field(
+        default=None,
+        description="Layers per pipeline stage, e.g. [16, 14]; length must equal pipeline (default: even split).",
+        json_schema_extra={"items": {"type": "integer", "minimum": 1}},
+    )
+
+
+class EngineSpec(Wire):
+    """Engine settings passed to every rank's `tessera` command."""
+
+    max_num_seqs: int = Field(default=128, ge=1, description="Maximum sequences per scheduler step.")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="Token budget per scheduler step.")
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV cache block.")
+    kv_cache_memory: str | None = Field(
+        default=None,
+        pattern=QUANTITY_PATTERN,
+        description="KV cache size per rank as a resource quantity (e.g. 2Gi); default: the engine's.",
+    )
+    enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prefixes.")
+    enable_chunked_prefill: bool = Field(default=True, description="Split long prompts across steps.")
+
+
+class EnvVar(Wire):
+    name: str = Field(min_length=1, description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: dict[str, Any] | None = free_form("A Kubernetes EnvVarSource.")
+
+
+class TemplateSpec(Wire):
+    """What every rank pod looks like; the user's fields are merged into the operator's pod."""
+
+    image: str = Field(default="tessera/runtime-cpu:0.1.0", min_length=1, description="Runtime image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy."
+    )
+    resources: dict[str, Any] | None = free_form("Container resources (requests, limits) of every rank.")
+    gpus_per_rank: int = Field(
+        default=0, ge=0, le=16, description="Accelerators per rank pod, added to requests and limits."
+    )
+    gpu_resource_name: str = Field(
+        default="nvidia.com/gpu", min_length=1, description="Extended resource name of the accelerator."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of every rank.")
+    tolerations: list[dict[str, Any]] = free_form_list("Pod tolerations.")
+    affinity: dict[str, Any] | None = free_form(
+        "Pod affinity; the operator adds its TP co-location term to it."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, description="Extra environment (the topology variables cannot be overridden)."
+    )
+    volumes: list[dict[str, Any]] = free_form_list("Extra pod volumes.")
+    volume_mounts: list[dict[str, Any]] = free_form_list("Extra container volume mounts.")
+    service_account_name: str | None = Field(default=None, description="ServiceAccount of the rank pods.")
+    priority_class_name: str | None = Field(default=None, description="PriorityClass of the rank pods.")
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+
+
+class PlacementSpec(Wire):
+    """Keep the TP ranks of one stage together (NVLink); stages and groups may spread."""
+
+    mode: Literal["preferred", "required", "none"] = Field(
+        default="preferred", description="How strongly the TP ranks of a stage are co-located."
+    )
+    topology_key: str = Field(
+        default="kubernetes.io/hostname", min_length=1, description="Node label that defines 'together'."
+    )
+
+
+class RolloutSpec(Wire):
+    """Rolling update of replica groups; counts are whole groups, not pods."""
+
+    max_unavailable: int = Field(
+        default=1, ge=0, description="Groups that may be unavailable during an update."
+    )
+    max_surge: int = Field(
+        default=0, ge=0, description="Extra groups created above replicas during an update."
+    )
+
+
+class RestartPolicySpec(Wire):
+    """Whole-group restart after any rank fails, with exponential backoff per group."""
+
+    backoff_base_seconds: float = Field(default=10, ge=0, description="Delay before the first restart.")
+    backoff_max_seconds: float = Field(default=300, ge=0, description="Upper bound of the delay.")
+    reset_after_seconds: float = Field(
+        default=600, ge=0, description="A group Ready this long starts its backoff from the base again."
+    )
+
+
+class AutoscalingSpec(Wire):
+    """Queue-depth autoscaling of replica groups."""
+
+    enabled: bool = Field(default=False, description="Let the autoscaler change spec.replicas.")
+    min_replicas: int = Field(default=1, ge=0, description="Fewest groups.")
+    max_replicas: int = Field(default=1, ge=1, description="Most groups.")
+    metric: Literal["tessera:num_requests_waiting"] = Field(
+        default="tessera:num_requests_waiting", description="Per-replica metric the autoscaler reads."
+    )
+    target_queue_depth: float = Field(
+        default=8, gt=0, description="Target waiting requests per replica group."
+    )
+
+
+class InferenceClusterSpec(Wire):
+    model: ModelSpec = Field(description="The model served.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel layout.")
+    replicas: int = Field(default=1, ge=0, description="Replica (data-parallel) groups.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
+    template: TemplateSpec = Field(default_factory=TemplateSpec, description="Rank pod template.")
+    placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Rank placement.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rolling update policy.")
+    restart_policy: RestartPolicySpec = Field(
+        default_factory=RestartPolicySpec, description="Group restart policy."
+    )
+    autoscaling: AutoscalingSpec | None = Field(default=None, description="Queue-depth autoscaling.")
+
+
+GroupPhase = Literal["Pending", "Starting", "Ready", "Failed", "BackingOff", "Updating", "Terminating"]
+
+
+class GroupStatus(Wire):
+    index: int = Field(description="Replica group index.")
+    revision: str = Field(default="", description="Revision of the group's pods.")
+    phase: GroupPhase = Field(default="Pending", description="Lifecycle phase of the group.")
+    pods: int = Field(default=0, description="Pods of the group that exist.")
+    ready: bool = Field(default=False, description="The leader's readiness probe passes.")
+    restarts: int = Field(default=0, description="Consecutive group restarts (drives the backoff).")
+    last_failure: str | None = Field(default=None, description="Reason of the last failure.")
+    last_failure_time: str | None = Field(default=None, description="When the last failure was seen.")
+    backoff_seconds: float | None = Field(default=None, description="Current restart delay.")
+    next_restart_time: str | None = Field(default=None, description="Earliest time of the next restart.")
+    ready_since: str | None = Field(default=None, description="Since when the group is Ready.")
+
+
+class Condition(Wire):
+    type: Literal["Ready", "Progressing", "Degraded"] = Field(description="Condition type.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
+    reason: str = Field(default="", description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str | None = Field(default=None, description="When the status last changed.")
+    observed_generation: int | None = Field(default=None, description="Generation the condition is about.")
+
+
+class InferenceClusterStatus(Wire):
+    observed_generation: int | None = Field(default=None, description="Last generation reconciled.")
+    replicas: int = Field(default=0, description="Groups that exist (including surge groups).")
+    ready_replicas: int = Field(default=0, description="Groups whose leader is Ready.")
+    updated_replicas: int = Field(default=0, description="Groups at the current revision.")
+    selector: str = Field(default="", description="Label selector of the leader pods (scale subresource).")
+    current_revision: str | None = Field(default=None, description="Revision every group runs once settled.")
+    update_revision: str | None = Field(default=None, description="Revision of the current spec.")
+    endpoint: str | None = Field(
+        default=None, description="OpenAI-compatible base URL of the client Service."
+    )
+    groups: list[GroupStatus] = Field(default_factory=list, description="Per-group state.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
+
+
+class InferenceCluster(Wire):
+    api_version: str = API_VERSION
+    kind: str = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: InferenceClusterSpec
+    status: InferenceClusterStatus = Field(default_factory=InferenceClusterStatus)

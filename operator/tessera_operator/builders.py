@@ -1,0 +1,318 @@
+"""Pure functions: an InferenceCluster spec -> the pods and Services it should own (plain dicts).
+
+No I/O here, so every rule about what a rank pod looks like is unit-tested without a cluster.
+The topology environment is written by the runtime's own contract module (`tessera.topology`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.topology import DEFAULT_API_PORT, DEFAULT_DIST_PORT, DEFAULT_RPC_PORT, Topology
+
+from tessera_operator import naming
+from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
+from tessera_operator.validation import RESERVED_ENV
+
+CONTAINER_NAME = "rank"
+RUNTIME_UID = 1000
+# Prefix-cache block hashes use Python's hash(): every rank of every group must agree.
+PYTHONHASHSEED = "0"
+HEALTH_PATH = "/health"
+# Fields whose change alters pods (and so starts a rolling update); replicas, rollout,
+# restartPolicy and autoscaling do not.
+POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement")
+
+_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([eE][0-9]+|[KMGTPE]i?|k|m)?$")
+_SUFFIX = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "m": 10**-3,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClusterRef:
+    """Identity of the owning InferenceCluster."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def quantity_to_bytes(text: str) -> int:
+    match = _QUANTITY_RE.match(text.strip())
+    if not match:
+        raise ValueError(f"not a resource quantity: {text!r}")
+    number, suffix = match.groups()
+    if suffix is None:
+        return int(float(number))
+    if suffix[0] in "eE":
+        return int(float(number) * 10 ** int(suffix[1:]))
+    return int(float(number) * _SUFFIX[suffix])
+
+
+def revision_of(spec: InferenceClusterSpec) -> str:
+    """Stable hash of the pod-affecting spec: equal specs give equal revisions across restarts."""
+    wire = spec.wire()
+    relevant = {key: wire.get(key) for key in pod_affecting_keys()}
+    digest = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
+    return digest[:10]
+
+
+def pod_affecting_keys() -> list[str]:
+    return [InferenceClusterSpec.model_fields[f].alias or f for f in POD_AFFECTING_FIELDS]
+
+
+def owner_reference(ref: ClusterRef) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": ref.name,
+        "uid": ref.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def topology_for(
+    ref: ClusterRef, spec: InferenceClusterSpec, group: int, stage: int, tp_rank: int
+) -> Topology:
+    par = spec.parallelism
+    return Topology(
+        cluster=ref.name,
+        namespace=ref.namespace,
+        group=group,
+        tp_size=par.tensor,
+        pp_size=par.pipeline,
+        sequence_parallel=par.sequence_parallel,
+        tp_rank=tp_rank,
+        pp_rank=stage,
+        layer_partition=par.layer_partition,
+        leader_addr=naming.leader_dns(ref.name, ref.namespace, group),
+        dist_port=DEFAULT_DIST_PORT,
+        rpc_port=DEFAULT_RPC_PORT,
+        api_port=DEFAULT_API_PORT,
+    )
+
+
+def engine_args(spec: InferenceClusterSpec) -> list[str]:
+    """Engine flags shared by the leader and the workers (vLLM's flag names)."""
+    model, eng = spec.model, spec.engine
+    args = [model.source, "--dtype", model.dtype]
+    if model.max_model_len is not None:
+        args += ["--max-model-len", str(model.max_model_len)]
+    args += [
+        "--max-num-seqs", str(eng.max_num_seqs),
+        "--max-num-batched-tokens", str(eng.max_num_batched_tokens),
+        "--block-size", str(eng.block_size),
+    ]  # fmt: skip
+    if eng.kv_cache_memory is not None:
+        args += ["--kv-cache-memory", str(quantity_to_bytes(eng.kv_cache_memory))]
+    args.append("--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching")
+    args.append("--enable-chunked-prefill" if eng.enable_chunked_prefill else "--no-enable-chunked-prefill")
+    return args
+
+
+def container_command(spec: InferenceClusterSpec, leader: bool) -> tuple[list[str], list[str]]:
+    """(command, args): the leader serves the HTTP API and runs the engine core, workers follow it."""
+    args = engine_args(spec)
+    if leader:
+        served = spec.model.served_name or spec.model.source
+        args += ["--served-model-name", served, "--host", "0.0.0.0", "--port", str(DEFAULT_API_PORT)]
+        return ["tessera", "serve"], args
+    return ["tessera", "worker"], args
+
+
+def resources_for(spec: InferenceClusterSpec) -> dict[str, Any]:
+    resources = copy.deepcopy(spec.template.resources or {})
+    gpus = spec.template.gpus_per_rank
+    if gpus > 0:
+        for kind in ("requests", "limits"):
+            resources.setdefault(kind, {})[spec.template.gpu_resource_name] = gpus
+    return resources
+
+
+def affinity_for(spec: InferenceClusterSpec, cluster: str, group: int, stage: int) -> dict[str, Any] | None:
+    """The user's affinity plus a pod-affinity term that keeps one stage's TP ranks together."""
+    affinity = copy.deepcopy(spec.template.affinity or {})
+    placement = spec.placement
+    if placement.mode != "none" and spec.parallelism.tensor > 1:
+        term = {
+            "labelSelector": {
+                "matchLabels": {
+                    naming.CLUSTER_LABEL: cluster,
+                    naming.GROUP_LABEL: str(group),
+                    naming.STAGE_LABEL: str(stage),
+                }
+            },
+            "topologyKey": placement.topology_key,
+        }
+        pod_affinity = affinity.setdefault("podAffinity", {})
+        if placement.mode == "required":
+            pod_affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
+        else:
+            pod_affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
+                {"weight": 100, "podAffinityTerm": term}
+            )
+    return affinity or None
+
+
+def env_for(topology: Topology, spec: InferenceClusterSpec) -> list[dict[str, Any]]:
+    """The user's variables first, then the contract; the webhook rejects user names that clash."""
+    env = [var.wire() for var in spec.template.env if var.name not in RESERVED_ENV]
+    env += [{"name": k, "value": v} for k, v in topology.to_env().items()]
+    env.append({"name": "PYTHONHASHSEED", "value": PYTHONHASHSEED})
+    return env
+
+
+def pod_labels(ref: ClusterRef, group: int, stage: int, tp_rank: int, revision: str) -> dict[str, str]:
+    return {
+        **naming.MANAGED_BY,
+        naming.CLUSTER_LABEL: ref.name,
+        naming.GROUP_LABEL: str(group),
+        naming.STAGE_LABEL: str(stage),
+        naming.TP_RANK_LABEL: str(tp_rank),
+        naming.ROLE_LABEL: naming.LEADER if stage == 0 and tp_rank == 0 else naming.WORKER,
+        naming.REVISION_LABEL: revision,
+    }
+
+
+def build_pod(
+    ref: ClusterRef, spec: InferenceClusterSpec, revision: str, group: int, stage: int, tp_rank: int
+) -> dict[str, Any]:
+    topology = topology_for(ref, spec, group, stage, tp_rank)
+    leader = topology.is_leader
+    name = naming.pod_name(ref.name, group, stage, tp_rank)
+    template = spec.template
+    command, args = container_command(spec, leader)
+    ports = [
+        {"name": "dist", "containerPort": topology.dist_port, "protocol": "TCP"},
+        {"name": "rpc", "containerPort": topology.rpc_port, "protocol": "TCP"},
+    ]
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": template.image,
+        "imagePullPolicy": template.image_pull_policy,
+        "command": command,
+        "args": args,
+        "env": env_for(topology, spec),
+        "ports": ports,
+        "resources": resources_for(spec),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *copy.deepcopy(template.volume_mounts)],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if leader:
+        ports.append({"name": "http", "containerPort": topology.api_port, "protocol": "TCP"})
+        # The runtime answers /health only after rendezvous and a warm-up forward pass: this probe
+        # is the one source of the group's (and the cluster's) readiness.
+        container["readinessProbe"] = {
+            "httpGet": {"path": HEALTH_PATH, "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+            "timeoutSeconds": 3,
+        }
+    pod_spec: dict[str, Any] = {
+        "hostname": name,
+        "subdomain": naming.headless_service_name(ref.name),
+        "restartPolicy": "Never",  # the operator restarts whole groups, never single ranks
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+            "fsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        # NCCL and gloo need more shared memory than the container runtime's 64 MiB default.
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *copy.deepcopy(template.volumes)],
+    }
+    if template.node_selector:
+        pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(template.tolerations)
+    affinity = affinity_for(spec, ref.name, group, stage)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    if template.service_account_name:
+        pod_spec["serviceAccountName"] = template.service_account_name
+    if template.priority_class_name:
+        pod_spec["priorityClassName"] = template.priority_class_name
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": ref.namespace,
+            "labels": {**template.labels, **pod_labels(ref, group, stage, tp_rank, revision)},
+            "annotations": dict(template.annotations),
+            "ownerReferences": [owner_reference(ref)],
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_group(
+    ref: ClusterRef, spec: InferenceClusterSpec, revision: str, group: int
+) -> list[dict[str, Any]]:
+    """All pods of one replica group, leader first."""
+    par = spec.parallelism
+    return [
+        build_pod(ref, spec, revision, group, stage, tp)
+        for stage in range(par.pipeline)
+        for tp in range(par.tensor)
+    ]
+
+
+def _service(ref: ClusterRef, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": ref.namespace,
+            "labels": {**naming.MANAGED_BY, naming.CLUSTER_LABEL: ref.name},
+            "ownerReferences": [owner_reference(ref)],
+        },
+        "spec": spec,
+    }
+
+
+def build_headless_service(ref: ClusterRef) -> dict[str, Any]:
+    """Rendezvous: stable DNS per rank pod, published before readiness (ranks find the leader early)."""
+    return _service(
+        ref,
+        naming.headless_service_name(ref.name),
+        {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": naming.cluster_selector(ref.name),
+            "ports": [
+                {"name": "dist", "port": DEFAULT_DIST_PORT, "targetPort": "dist", "protocol": "TCP"},
+                {"name": "rpc", "port": DEFAULT_RPC_PORT, "targetPort": "rpc", "protocol": "TCP"},
+            ],
+        },
+    )
+
+
+def build_client_service(ref: ClusterRef) -> dict[str, Any]:
+    """What clients call: the OpenAI API of every Ready leader (a Service only routes to ready pods)."""
+    return _service(
+        ref,
+        naming.client_service_name(ref.name),
+        {
+            "type": "ClusterIP",
+            "selector": naming.leader_selector(ref.name),
+            "ports": [{"name": "http", "port": DEFAULT_API_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    )
+
+
+def endpoint_of(ref: ClusterRef) -> str:
+    return f"http://{naming.client_service_name(ref.name)}.{ref.namespace}.svc:{DEFAULT_API_PORT}/v1"

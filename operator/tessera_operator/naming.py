@@ -1,0 +1,50 @@
+"""Stable names and labels of everything the operator owns (DNS-valid, derived, never random)."""
+
+from __future__ import annotations
+
+import re
+
+LABEL_PREFIX = "tessera.dev/"
+CLUSTER_LABEL = "tessera.dev/cluster"
+GROUP_LABEL = "tessera.dev/group"
+STAGE_LABEL = "tessera.dev/stage"
+TP_RANK_LABEL = "tessera.dev/tp-rank"
+ROLE_LABEL = "tessera.dev/role"
+REVISION_LABEL = "tessera.dev/revision"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "tessera-operator"}
+LEADER, WORKER = "leader", "worker"
+
+# Pod hostnames are DNS-1123 labels (63 chars) and Service names DNS-1035 labels (start with a
+# letter): `<cluster>-g<group>-s<stage>-t<tp>` must fit, which bounds the cluster name.
+MAX_CLUSTER_NAME = 40
+CLUSTER_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def pod_name(cluster: str, group: int, stage: int, tp_rank: int) -> str:
+    return f"{cluster}-g{group}-s{stage}-t{tp_rank}"
+
+
+def headless_service_name(cluster: str) -> str:
+    """The rendezvous Service; it is also every rank pod's subdomain."""
+    return f"{cluster}-ranks"
+
+
+def client_service_name(cluster: str) -> str:
+    return cluster
+
+
+def leader_dns(cluster: str, namespace: str, group: int) -> str:
+    """Stable DNS name of a group's rank-0 pod, resolvable before it is Ready (publishNotReadyAddresses)."""
+    return f"{pod_name(cluster, group, 0, 0)}.{headless_service_name(cluster)}.{namespace}.svc"
+
+
+def cluster_selector(cluster: str) -> dict[str, str]:
+    return {CLUSTER_LABEL: cluster}
+
+
+def leader_selector(cluster: str) -> dict[str, str]:
+    return {CLUSTER_LABEL: cluster, ROLE_LABEL: LEADER}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())

@@ -1,0 +1,118 @@
+"""Which KV blocks each request holds: allocation, prefix-cache lookup, and freeing."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from tessera.core.block_pool import BlockPool, KVBlock
+from tessera.core.request import Request
+
+_ROOT_HASH = b"tessera-kv-root"
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    """Chained, content-addressed block hash; stable across processes and pods (no PYTHONHASHSEED)."""
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+
+    def take(self) -> PrefixCacheStats:
+        taken = PrefixCacheStats(self.queries, self.hits)
+        self.queries = self.hits = 0
+        return taken
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request) -> None:
+        num_full = request.num_tokens // self.block_size
+        hashes = request.block_hashes
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for index in range(len(hashes), num_full):
+            start = index * self.block_size
+            parent = hash_block(parent, request.all_token_ids[start : start + self.block_size])
+            hashes.append(parent)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a request that holds no blocks yet: (blocks, tokens)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        # The last token is always computed, so its logits exist: cap the hit at num_tokens - 1.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+    ) -> bool:
+        """Give a request room for num_new_tokens more tokens; False (nothing changed) if it does not fit."""
+        computed = new_computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_needed = -(-total_tokens // self.block_size) - len(blocks) - len(computed)
+        # Cache hits that sit on the free list leave it when touched: they are not free room.
+        num_evictable_hits = sum(1 for block in computed if block.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        self.pool.touch(computed)
+        blocks.extend(computed)
+        if num_needed > 0:
+            blocks.extend(self.pool.allocate(num_needed))
+        self._cache_full_blocks(request, blocks, total_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Register the blocks that will be full once this step's tokens are written."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_block_hashes(request)
+        start = self.req_num_cached_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        for index in range(start, end):
+            self.pool.cache_block(blocks[index], request.block_hashes[index])
+        self.req_num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,89 @@
+"""A request as the engine core sees it: token ids, progress, and status."""
+
+from __future__ import annotations
+
+import enum
+
+from tessera.engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineCoreRequest
+from tessera.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FINISH_STOP,
+    RequestStatus.FINISHED_LENGTH: FINISH_LENGTH,
+    RequestStatus.FINISHED_ABORTED: FINISH_ABORT,
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # Tokens whose KV is computed, or scheduled to be: advanced at schedule time, so a
+        # request whose every token is in flight is not scheduled again until its output arrives.
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        self.num_preemptions = 0
+        # Workers hold per-request state; it is sent again after a preemption dropped it.
+        self.known_to_workers = False
+        # Hashes of this request's full blocks, computed once and extended as it grows.
+        self.block_hashes: list[bytes] = []
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_id,
+            request.arrival_time,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,45 @@
+"""What the scheduler hands to every worker each step, and what the last stage hands back.
+
+Builtin types only: the same objects are broadcast to worker processes and pods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.engine.messages import TokenLogprobs
+from tessera.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent when a request is first scheduled, or resumed after preemption (its state was dropped)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV this step computes
+    start_position: int  # how many of the request's tokens were computed before this step
+    block_ids: list[int]
+    sample: bool  # this chunk reaches the request's last known token: sample the next one
+    new: NewRequestData | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    finished_request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    request_ids: list[str]  # the sampled requests, in order
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None

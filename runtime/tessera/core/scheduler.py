@@ -1,0 +1,214 @@
+"""Continuous batching: which requests run this step, and with how many tokens.
+
+Running requests go first (oldest first), then waiting ones, all under one token
+budget, so prefills, chunked prefills and decodes share a step. When blocks run
+out, the newest running request is preempted by recompute: its blocks are freed
+and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tessera.config import EngineConfig
+from tessera.core.kv_cache_manager import KVCacheManager
+from tessera.core.request import Request, RequestStatus
+from tessera.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+from tessera.engine.messages import EngineCoreOutput, SchedulerStats
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_ids: list[str] = []  # since the last schedule(): workers drop their state
+        self.num_preemptions = 0  # since the last stats
+        self.preempted_this_step = False
+
+    # -- requests in and out ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens; the model's context is {self.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.finished_ids.append(request.request_id)
+
+    # -- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_tokens: dict[str, int] = {}
+        self.preempted_this_step = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = self._tokens_to_schedule(request, budget)
+            if count == 0:  # everything in flight already (pipeline parallelism)
+                index += 1
+                continue
+            if not self._allocate_or_preempt(request, count):
+                break
+            num_tokens[request.request_id] = count
+            budget -= count
+            index += 1
+
+        # Admit waiting requests only when nothing was preempted: otherwise they would
+        # take the blocks the preempted ones need to come back.
+        while not self.preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            remaining = request.num_tokens - num_hit_tokens
+            if not self.enable_chunked_prefill and remaining > budget:
+                break
+            count = min(remaining, budget)
+            if self.long_prefill_token_threshold:
+                count = min(count, self.long_prefill_token_threshold)
+            if not self.kv.allocate_slots(request, count, hits):
+                break
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            num_tokens[request.request_id] = count
+            budget -= count
+
+        output = SchedulerOutput(finished_request_ids=self.finished_ids)
+        self.finished_ids = []
+        for request in self.running:
+            count = num_tokens.get(request.request_id, 0)
+            if count == 0:
+                continue
+            start = request.num_computed_tokens
+            new = None
+            if not request.known_to_workers:
+                new = self._new_request_data(request)
+                request.known_to_workers = True
+            output.scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids[start : start + count],
+                    start_position=start,
+                    block_ids=self.kv.block_ids(request.request_id),
+                    sample=start + count == request.num_tokens,
+                    new=new,
+                )
+            )
+            output.num_scheduled_tokens += count
+            request.num_computed_tokens = start + count
+        return output
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+        )
+
+    def _tokens_to_schedule(self, request: Request, budget: int) -> int:
+        count = request.num_tokens - request.num_computed_tokens
+        if self.long_prefill_token_threshold:
+            count = min(count, self.long_prefill_token_threshold)
+        return min(count, budget, self.max_model_len - request.num_computed_tokens)
+
+    def _allocate_or_preempt(self, request: Request, count: int) -> bool:
+        """Make room by preempting the newest running requests; False if the request itself went."""
+        while not self.kv.allocate_slots(request, count):
+            victim = self.running.pop()
+            self._preempt(victim)
+            self.preempted_this_step = True
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.known_to_workers = False
+        self.finished_ids.append(request.request_id)  # workers drop its state; it comes back as new
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = []
+        for row, request_id in enumerate(runner_output.request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while in flight
+            token_id = runner_output.sampled_token_ids[row]
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            output = EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=[token_id],
+                new_logprobs=[runner_output.logprobs[row]] if runner_output.logprobs else None,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if status is not None:
+                self._finish(request, status)
+                output.finish_reason = status.finish_reason
+                output.stop_reason = request.stop_reason
+            outputs.append(output)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv.stats.take()
+        preemptions, self.num_preemptions = self.num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=preemptions,
+        )

@@ -1,0 +1,82 @@
+"""Command-line flags for the engine, generated from EngineConfig so every entry point shares them.
+
+Flag names follow vLLM where one exists (`--max-num-seqs`, `--enable-prefix-caching` /
+`--no-enable-prefix-caching`, `--tensor-parallel-size` / `-tp`, ...). The model is a
+positional argument added by each command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from typing import Any
+
+from tessera.config import EngineConfig
+
+# Short aliases users of vLLM and of DESIGN.md (`tessera serve MODEL --tp 2 --pp 2`) type.
+_ALIASES: dict[str, list[str]] = {
+    "tensor_parallel_size": ["-tp", "--tp"],
+    "pipeline_parallel_size": ["-pp", "--pp"],
+}
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2}
+_SIZE_UNITS |= {"mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tib": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '536870912', '512MiB', '2GB', '1.5GiB'."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; leaves Literal and list types as they are."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ("model",)) -> None:
+    group = parser.add_argument_group("engine")
+    for name, field in EngineConfig.model_fields.items():
+        if name in exclude:
+            continue
+        flags = ["--" + name.replace("_", "-"), *_ALIASES.get(name, [])]
+        kind = _base_type(field.annotation)
+        help_text = field.description or ""
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if kind is bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kwargs)
+            continue
+        if typing.get_origin(kind) is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(kind))
+        elif name == "kv_cache_memory":
+            kwargs["type"] = parse_size
+            kwargs["help"] = help_text + " (bytes, or with a unit: 512MiB, 2GiB)"
+        elif typing.get_origin(kind) is list:
+            kwargs["type"] = _int_list
+            kwargs["help"] = help_text + " (comma-separated)"
+        elif kind in (int, float, str):
+            kwargs["type"] = kind
+        kwargs["help"] = f"{kwargs['help']} (default: {field.default})".strip()
+        group.add_argument(*flags, **kwargs)
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
+    """An EngineConfig from parsed flags; unset flags keep EngineConfig's defaults."""
+    values = {name: getattr(args, name) for name in EngineConfig.model_fields if hasattr(args, name)}
+    if model is not None:
+        values["model"] = model
+    return EngineConfig(**values)

@@ -1,0 +1,225 @@
+"""AsyncLLM: the serving frontend of the engine.
+
+Tokenizes in the API process, hands requests to the engine core process through
+AsyncMPClient, and runs one output-handler task that detokenizes (OutputProcessor) and
+routes each request's outputs to the async generator its caller iterates. Closing or
+cancelling that generator (a client disconnect) aborts the request in the engine core,
+which frees its KV blocks. If the engine core dies, every open generator raises
+EngineDeadError and the registered callbacks run (the server then exits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.config import EngineConfig
+from tessera.engine.core_client import AsyncMPClient, EngineDeadError
+from tessera.engine.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
+from tessera.engine.output_processor import OutputProcessor, RequestOutputKind
+from tessera.engine.processor import InputProcessor
+from tessera.metrics import EngineMetrics
+from tessera.models.registry import resolve_model
+from tessera.outputs import RequestOutput
+from tessera.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ChildTiming:
+    """Frontend-side timings of one engine request, for the latency histograms."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    children: list[str] = field(default_factory=list)
+
+
+class AsyncLLM:
+    def __init__(
+        self,
+        config: EngineConfig,
+        served_model_name: str | None = None,
+        engine_core_cls: type | None = None,
+    ) -> None:
+        self.config = config
+        self.model_dir = resolve_model(config.model)  # converts once here, so the core finds it cached
+        self.served_model_name = served_model_name or config.model
+        self.core = AsyncMPClient(config, engine_core_cls)
+        self.max_model_len = int(self.core.ready_info["max_model_len"])
+        self.processor = InputProcessor.from_model_dir(self.model_dir, self.max_model_len)
+        self.tokenizer = self.processor.tokenizer
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(self.served_model_name)
+        self.last_stats = SchedulerStats()
+        self.dead_error: EngineDeadError | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._timings: dict[str, _ChildTiming] = {}
+        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
+        self._handler: asyncio.Task[None] | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the output handler on the running loop (idempotent)."""
+        if self._handler is None:
+            self._handler = asyncio.get_running_loop().create_task(self._output_handler())
+
+    def on_engine_dead(self, callback: Callable[[EngineDeadError], None]) -> None:
+        self._dead_callbacks.append(callback)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_error is None and self.core.is_alive
+
+    def shutdown(self) -> None:
+        if self._handler is not None:
+            self._handler.cancel()
+        self.core.shutdown()
+
+    # --- load -----------------------------------------------------------------------------
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._timings)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Engine requests submitted but not yet running (fresher than the core's last stats)."""
+        return max(0, len(self._timings) - self.last_stats.num_running_reqs)
+
+    # --- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; ValueError for an empty, invalid or over-long one."""
+        return self.processor.tokenize(prompt, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return self.processor.render_chat(messages, add_generation_prompt)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs of one request as the engine produces them; closing the generator aborts it."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.start()
+        arrival = time.time()
+        children = self.processor.process(request_id, prompt_token_ids, params, arrival)
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, children, output_kind)
+        stream = _Stream(children=[child.request_id for child in children])
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            for child in children:
+                self._timings[child.request_id] = _ChildTiming(arrival, len(prompt_token_ids))
+                await self.core.add_request_async(child)
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: forget it here and free its KV blocks in the engine core."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        self.output_processor.abort_requests([request_id])
+        now = time.time()
+        for child_id in stream.children:
+            self._finish_child(child_id, FINISH_ABORT, now)
+        if self.dead_error is None:
+            try:
+                self.core.abort_requests(stream.children)
+            except EngineDeadError:
+                pass
+        logger.info("aborted request %s", request_id)
+
+    # --- the output handler ------------------------------------------------------------------
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.core.get_output_async()
+                self._process(outputs)
+        except EngineDeadError as exc:
+            self._on_dead(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave callers hanging
+            logger.exception("output handler failed")
+            self._on_dead(EngineDeadError(f"output handler failed: {exc!r}"))
+
+    def _process(self, outputs: EngineCoreOutputs) -> None:
+        now = time.time()
+        self._record_metrics(outputs, now)
+        processed = self.output_processor.process_outputs(outputs)
+        for request_output in processed.request_outputs:
+            stream = self._streams.get(request_output.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(request_output)
+            if request_output.finished:
+                del self._streams[request_output.request_id]
+        if processed.reqs_to_abort:
+            # Stop strings end these in the frontend; the engine core must stop computing them.
+            for child_id in processed.reqs_to_abort:
+                self._finish_child(child_id, "stop", now)
+            self.core.abort_requests(processed.reqs_to_abort)
+
+    def _record_metrics(self, outputs: EngineCoreOutputs, now: float) -> None:
+        if outputs.scheduler_stats is not None:
+            self.last_stats = outputs.scheduler_stats
+            self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+        for output in outputs.outputs:
+            timing = self._timings.get(output.request_id)
+            if timing is None:
+                continue
+            if output.new_token_ids:
+                self.metrics.record_generation_tokens(len(output.new_token_ids))
+                if timing.first_token_time is None:
+                    timing.first_token_time = now
+                    # The step that produced the first token started at outputs.timestamp:
+                    # until then the request was queued (or prefilling earlier chunks).
+                    queue_time = (outputs.timestamp or now) - timing.arrival_time
+                    self.metrics.record_first_token(timing.num_prompt_tokens, now - timing.arrival_time, queue_time)
+                elif timing.last_token_time is not None:
+                    self.metrics.record_inter_token_latency(now - timing.last_token_time)
+                timing.last_token_time = now
+            if output.finish_reason is not None:
+                self._finish_child(output.request_id, output.finish_reason, now)
+
+    def _finish_child(self, child_id: str, reason: str, now: float) -> None:
+        timing = self._timings.pop(child_id, None)
+        if timing is not None:
+            self.metrics.record_finished(reason, now - timing.arrival_time)
+
+    def _on_dead(self, error: EngineDeadError) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = error
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        self._streams.clear()
+        self._timings.clear()
+        for callback in self._dead_callbacks:
+            callback(error)

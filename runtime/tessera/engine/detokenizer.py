@@ -1,0 +1,65 @@
+"""Incremental detokenization with stop strings, one per generated sequence."""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerBase
+
+from tessera.sampling_params import SamplingParams
+
+# Prompt tokens that prime the stream, so the first output token decodes with its context
+# (e.g. a leading space that a standalone decode would drop).
+PRIMING_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.rust_tokenizer = getattr(tokenizer, "_tokenizer", None)
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
+        self.output_text = ""
+        self.token_ids: list[int] = []
+        if self.rust_tokenizer is not None:
+            self.stream: DecodeStream | None = DecodeStream(
+                ids=prompt_token_ids[-PRIMING_TOKENS:], skip_special_tokens=self.skip_special_tokens
+            )
+        else:
+            self.stream = None
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append tokens; returns the stop string if one now appears (the text is cut there)."""
+        previous_len = len(self.output_text)
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            if self.stream is not None:
+                piece = self.stream.step(self.rust_tokenizer, token_id)
+                if piece:
+                    self.output_text += piece
+        if self.stream is None:  # slow tokenizers: decode the whole output again
+            self.output_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+        return self._check_stop_strings(previous_len)
+
+    def _check_stop_strings(self, previous_len: int) -> str | None:
+        if not self.stop:
+            return None
+        search_from = max(0, previous_len - self.max_stop_len + 1)
+        found: tuple[int, str] | None = None
+        for stop in self.stop:
+            index = self.output_text.find(stop, search_from)
+            if index != -1 and (found is None or index < found[0]):
+                found = (index, stop)
+        if found is None:
+            return None
+        index, stop = found
+        self.output_text = self.output_text[: index + len(stop) if self.include_stop else index]
+        return stop
+
+    def text_to_send(self, sent_len: int, finished: bool) -> str:
+        """New text since sent_len, holding back a tail that might still become a stop string."""
+        end = len(self.output_text)
+        if not finished and self.stop and not self.include_stop:
+            end = max(sent_len, end - self.max_stop_len + 1)
+        return self.output_text[sent_len:end]

@@ -1,0 +1,64 @@
+"""Messages between the frontend (LLM / AsyncLLM) and the engine core.
+
+Plain dataclasses of builtin types, so they serialize compactly with msgpack
+(no pickle of arbitrary objects) when the engine core runs in its own process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera.sampling_params import SamplingParams
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # always n=1 here: the frontend fans n>1 out
+    eos_token_id: int | None
+    arrival_time: float
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token: its own, and the top-k alternatives (ids and logprobs)."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT
+    stop_reason: int | str | None = None  # the stop token id (or stop string, set by the detokenizer)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0  # tokens looked up since the last stats (delta)
+    prefix_cache_hits: int = 0  # tokens found since the last stats (delta)
+    num_preemptions: int = 0  # since the last stats (delta)
+
+
+@dataclass
+class EngineCoreOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0

@@ -1,0 +1,191 @@
+"""Engine outputs in, RequestOutputs out: detokenization, stop strings, logprobs, n>1 aggregation.
+
+Shared by the offline LLM and the serving AsyncLLM, so both produce the same text.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from tessera.engine.detokenizer import IncrementalDetokenizer
+from tessera.engine.messages import FINISH_STOP, EngineCoreOutputs, EngineCoreRequest, TokenLogprobs
+from tessera.outputs import CompletionOutput, Logprob, RequestOutput
+from tessera.sampling_params import SamplingParams
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = enum.auto()  # every output carries everything so far
+    DELTA = enum.auto()  # every output carries only what is new (streaming)
+    FINAL_ONLY = enum.auto()  # one output, when the request finishes
+
+
+@dataclass
+class _Sequence:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    num_logprobs: int | None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text_len: int = 0
+    sent_num_tokens: int = 0
+    finish_sent: bool = False
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: RequestOutputKind
+    sequences: dict[str, _Sequence]  # child request id -> its sequence
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.finish_reason is not None for seq in self.sequences.values())
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]  # child ids the engine core must stop (a stop string ended them)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, _Request] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_requests: list[EngineCoreRequest],
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        sequences = {
+            child.request_id: _Sequence(
+                index=index,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child.sampling_params),
+                num_logprobs=params.logprobs,
+            )
+            for index, child in enumerate(child_requests)
+        }
+        self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, output_kind, sequences)
+        for child_id in sequences:
+            self.child_to_parent[child_id] = request_id
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget these parent requests; returns their child ids for the engine core to abort."""
+        children: list[str] = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            for child_id in request.sequences:
+                self.child_to_parent.pop(child_id, None)
+                children.append(child_id)
+        return children
+
+    def process_outputs(self, engine_outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        updated: dict[str, _Request] = {}
+        reqs_to_abort: list[str] = []
+        for output in engine_outputs.outputs:
+            parent_id = self.child_to_parent.get(output.request_id)
+            if parent_id is None:
+                continue  # aborted by the frontend meanwhile
+            request = self.requests[parent_id]
+            sequence = request.sequences[output.request_id]
+            if sequence.finish_reason is not None:
+                continue
+            request.num_cached_tokens = output.num_cached_tokens
+            stop_string = sequence.detokenizer.update(output.new_token_ids)
+            if output.new_logprobs is not None and sequence.num_logprobs is not None:
+                self._append_logprobs(sequence, output.new_token_ids, output.new_logprobs)
+            if stop_string is not None:
+                sequence.finish_reason, sequence.stop_reason = FINISH_STOP, stop_string
+                if output.finish_reason is None:
+                    reqs_to_abort.append(output.request_id)
+            elif output.finish_reason is not None:
+                sequence.finish_reason, sequence.stop_reason = output.finish_reason, output.stop_reason
+            updated[parent_id] = request
+
+        request_outputs = []
+        for parent_id, request in updated.items():
+            finished = request.finished
+            if finished:
+                del self.requests[parent_id]
+                for child_id in request.sequences:
+                    self.child_to_parent.pop(child_id, None)
+            if request.kind == RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            request_outputs.append(self._make_output(request, finished))
+        return ProcessedOutputs(request_outputs, reqs_to_abort)
+
+    def _append_logprobs(self, sequence: _Sequence, token_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
+        count = sequence.num_logprobs or 0
+        for token_id, token_logprobs in zip(token_ids, logprobs, strict=False):
+            entry: dict[int, Logprob] = {}
+            top_ids = token_logprobs.top_token_ids[:count]
+            for rank, (top_id, top_lp) in enumerate(zip(top_ids, token_logprobs.top_logprobs[:count], strict=True)):
+                entry[top_id] = Logprob(top_lp, rank + 1, self.tokenizer.decode([top_id]))
+            if token_id not in entry:
+                rank_of_sampled = None
+                if token_id in token_logprobs.top_token_ids:
+                    rank_of_sampled = token_logprobs.top_token_ids.index(token_id) + 1
+                entry[token_id] = Logprob(token_logprobs.logprob, rank_of_sampled, self.tokenizer.decode([token_id]))
+            sequence.logprobs.append(entry)
+            sequence.cumulative_logprob += token_logprobs.logprob
+
+    def _make_output(self, request: _Request, finished: bool) -> RequestOutput:
+        delta = request.kind == RequestOutputKind.DELTA
+        completions = []
+        for sequence in request.sequences.values():
+            detok = sequence.detokenizer
+            seq_finished = sequence.finish_reason is not None
+            if delta:
+                text = detok.text_to_send(sequence.sent_text_len, seq_finished)
+                token_ids = detok.token_ids[sequence.sent_num_tokens :]
+                logprobs = sequence.logprobs[sequence.sent_num_tokens :] if sequence.num_logprobs is not None else None
+                if not text and not token_ids and (not seq_finished or sequence.finish_sent):
+                    continue
+                sequence.sent_text_len += len(text)
+                sequence.sent_num_tokens = len(detok.token_ids)
+                sequence.finish_sent = seq_finished
+            else:
+                text = detok.output_text
+                token_ids = list(detok.token_ids)
+                logprobs = list(sequence.logprobs) if sequence.num_logprobs is not None else None
+            completions.append(
+                CompletionOutput(
+                    index=sequence.index,
+                    text=text,
+                    token_ids=token_ids,
+                    cumulative_logprob=sequence.cumulative_logprob if sequence.num_logprobs is not None else None,
+                    logprobs=logprobs,
+                    finish_reason=sequence.finish_reason,
+                    stop_reason=sequence.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+

@@ -1,0 +1,113 @@
+"""The offline API, shaped like vLLM's: ``LLM(model, **engine_args).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+from tqdm import tqdm
+
+from tessera.config import EngineConfig
+from tessera.engine.core import EngineCore
+from tessera.engine.output_processor import OutputProcessor
+from tessera.engine.processor import InputProcessor
+from tessera.outputs import RequestOutput
+from tessera.sampling_params import SamplingParams
+
+# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids".
+Prompt: TypeAlias = str | dict[str, Any]
+ChatMessages: TypeAlias = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        self.engine = EngineCore(self.config)
+        self.input_processor = InputProcessor.from_model_dir(self.engine.model_dir, self.engine.max_model_len)
+        self.output_processor = OutputProcessor(self.input_processor.tokenizer)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.input_processor.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in the prompts' order."""
+        prompt_list: list[Prompt] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params_list = self._params_for(sampling_params, len(prompt_list))
+        request_ids = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            text, token_ids = self._tokenize(prompt)
+            request_ids.append(self._add_request(text, token_ids, params))
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        params_list = self._params_for(sampling_params, len(conversations))
+        request_ids = []
+        for conversation, params in zip(conversations, params_list, strict=True):
+            text = self.input_processor.render_chat(conversation, add_generation_prompt)  # type: ignore[arg-type]
+            token_ids = self.input_processor.tokenize(text, add_special_tokens=False)
+            request_ids.append(self._add_request(text, token_ids, params))
+        return self._run(request_ids, use_tqdm)
+
+    # -- internals ------------------------------------------------------------------------------
+    @staticmethod
+    def _params_for(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")
+        return list(sampling_params)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.input_processor.tokenize(prompt)
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), self.input_processor.tokenize(list(prompt["prompt_token_ids"]))
+        if "prompt" in prompt:
+            return prompt["prompt"], self.input_processor.tokenize(prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+
+    def _add_request(self, prompt: str | None, token_ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._request_counter))
+        children = self.input_processor.process(request_id, token_ids, params)
+        self.output_processor.add_request(request_id, prompt, token_ids, params, children)
+        for child in children:
+            self.engine.add_request(child)
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while len(finished) < len(request_ids):
+                processed = self.output_processor.process_outputs(self.engine.step())
+                if processed.reqs_to_abort:
+                    self.engine.abort_requests(processed.reqs_to_abort)
+                for output in processed.request_outputs:
+                    finished[output.request_id] = output
+                    progress.update(1)
+        except BaseException:
+            # Leave the engine clean for the next call (e.g. after Ctrl-C).
+            self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
+            raise
+        finally:
+            progress.close()
+        return [finished[request_id] for request_id in request_ids]

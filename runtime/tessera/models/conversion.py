@@ -1,0 +1,102 @@
+"""Convert a GGUF file once into an ordinary fp32 Hugging Face folder, safely under concurrency.
+
+transformers dequantizes GGUF weights on load but refuses to ``save_pretrained`` such a
+model, so the weights are copied into a fresh model built from the same config (without
+its ``quantization_config``) and saved as safetensors with the tokenizer and chat template.
+The folder appears atomically: work happens in a temporary sibling that is renamed into
+place, and a file lock makes concurrent processes wait for one conversion instead of
+racing (a crashed converter leaves only a temporary folder, cleaned up later).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+
+def convert_gguf_once(gguf_path: Path, target: Path) -> Path:
+    """Return ``target``, converting ``gguf_path`` into it first unless a previous run did."""
+    if (target / "config.json").is_file():
+        return target
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+        if (target / "config.json").is_file():  # another process finished while we waited
+            return target
+        _remove_stale_temporaries(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            _convert(gguf_path, tmp)
+            _make_readable(tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+@contextmanager
+def _exclusive_lock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp creates 0700; the cache is shared by every user and container that mounts it.
+    folder.chmod(0o755)
+    for item in folder.iterdir():
+        item.chmod(0o644)
+
+
+def _remove_stale_temporaries(target: Path) -> None:
+    # Only called under the lock, so no live converter owns these.
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = ["read tokenizer", "dequantize weights", "copy into a plain model", "write safetensors"]
+    started = time.monotonic()
+    logger.info("converting %s into %s (once; cached afterwards)", gguf_path.name, out.parent)
+    with tqdm(total=len(steps), desc=f"converting {gguf_path.name}", unit="step") as bar:
+        bar.set_postfix_str(steps[0])
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        quantized = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = torch.float32
+        plain = type(quantized)(config)
+        plain.load_state_dict(quantized.state_dict())
+        del quantized
+        bar.update()
+        bar.set_postfix_str(steps[3])
+        plain.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        bar.update()
+    logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - started)

@@ -1,0 +1,236 @@
+"""Attention over a paged KV cache: prefill, chunked prefill and decode in one forward pass.
+
+The cache of one layer is ``[2 (K/V), num_blocks, block_size, num_kv_heads, head_dim]``; a
+sequence's tokens live in the blocks its block table lists. Each forward first writes the
+new tokens' K/V at their slots, then attends:
+
+- decodes (one query token each, first in the batch) in one batched call: their blocks are
+  gathered into a padded ``[B, L, kv_heads, head_dim]`` workspace and masked by length. GQA
+  costs nothing: a decode's query heads that share a KV head are fed as that head's query
+  rows, so no key is repeated.
+- prefills one sequence at a time: a fresh prompt attends to its own new K/V causally; a
+  chunk whose earlier context is cached (chunked prefill, prefix-cache hit) gathers the
+  context and uses a causal mask offset by the cached length.
+
+Everything that depends only on the batch layout (block ids, masks) is computed once per
+forward in ``AttentionPlan`` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [N] int64: flat cache slot (block_id * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B+1] int64 (CPU): tokens of seq i are [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # [B] int64 (CPU): context length of each seq after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64: block ids of each seq, padded with 0
+    num_decodes: int  # the first num_decodes seqs have exactly one query token
+    max_seq_len: int
+    query_start_loc_list: list[int]
+    seq_lens_list: list[int]
+
+
+class GatherWorkspace:
+    """One growing buffer reused by every layer's gather (allocating fresh tens of MB per
+    layer costs page faults that can exceed the copy itself)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._buffer
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(max(numel, int(numel * 1.25)), dtype=dtype, device=device)
+            self._buffer = buf
+        return buf[:numel]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefillSpan:
+    """One prefilling sequence: its query rows and, when earlier tokens are cached, where they are."""
+
+    q_start: int
+    q_end: int
+    context_len: int  # all tokens it attends to, cached + new
+    block_ids: torch.Tensor | None  # blocks holding the context; None when the query is the whole context
+
+    @property
+    def query_len(self) -> int:
+        return self.q_end - self.q_start
+
+
+@dataclass
+class AttentionPlan:
+    slot_mapping: torch.Tensor
+    block_size: int
+    num_decodes: int
+    decode_block_ids: torch.Tensor | None  # [num_decodes * blocks] flattened, padded to the longest decode
+    decode_blocks: int
+    decode_lens: torch.Tensor | None  # [num_decodes] on the device
+    prefills: list[PrefillSpan]
+    workspace: GatherWorkspace
+    _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, md: AttentionMetadata, block_size: int, device: torch.device, workspace: GatherWorkspace
+    ) -> AttentionPlan:
+        qsl, lens = md.query_start_loc_list, md.seq_lens_list
+        num_decodes = md.num_decodes
+        decode_ids, decode_lens, decode_blocks = None, None, 0
+        if num_decodes:
+            decode_blocks = _cdiv(max(lens[:num_decodes]), block_size)
+            decode_ids = md.block_tables[:num_decodes, :decode_blocks].reshape(-1).to(device)
+            decode_lens = md.seq_lens[:num_decodes].to(device, non_blocking=True)
+        prefills = []
+        for i in range(num_decodes, len(lens)):
+            q_start, q_end, context = qsl[i], qsl[i + 1], lens[i]
+            if q_end == q_start:
+                continue
+            ids = None
+            if context != q_end - q_start:
+                ids = md.block_tables[i, : _cdiv(context, block_size)].to(device)
+            prefills.append(PrefillSpan(q_start, q_end, context, ids))
+        return cls(
+            slot_mapping=md.slot_mapping.to(device),
+            block_size=block_size,
+            num_decodes=num_decodes,
+            decode_block_ids=decode_ids,
+            decode_blocks=decode_blocks,
+            decode_lens=decode_lens,
+            prefills=prefills,
+            workspace=workspace,
+        )
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[D, 1, 1, L] bool: key l of decode d is visible iff l < len_d (and inside the window)."""
+        key = ("decode", sliding_window)
+        if key not in self._masks:
+            assert self.decode_lens is not None
+            lens = self.decode_lens[:, None]
+            keys = torch.arange(self.decode_blocks * self.block_size, device=lens.device)[None, :]
+            mask = keys < lens
+            if sliding_window is not None:
+                mask &= keys >= lens - sliding_window
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, span: PrefillSpan, sliding_window: int | None) -> torch.Tensor | None:
+        """[q, context] bool: query t sees keys [.., context - q + t]; None means plain causal."""
+        window_matters = sliding_window is not None and sliding_window < span.context_len
+        if span.block_ids is None and not window_matters:
+            return None
+        key = ("prefill", index, sliding_window)
+        if key not in self._masks:
+            device = self.slot_mapping.device
+            query_pos = torch.arange(span.query_len, device=device)[:, None] + (span.context_len - span.query_len)
+            keys = torch.arange(span.context_len, device=device)[None, :]
+            mask = keys <= query_pos
+            if window_matters:
+                mask &= keys > query_pos - sliding_window
+            self._masks[key] = mask
+        return self._masks[key]
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of this rank's heads against the paged cache of one layer."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim]."""
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        slots[0].index_copy_(0, plan.slot_mapping, k)
+        slots[1].index_copy_(0, plan.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        if plan.num_decodes:
+            out[: plan.num_decodes] = self._decode(q[: plan.num_decodes], kv_cache, plan)
+        for index, span in enumerate(plan.prefills):
+            out[span.q_start : span.q_end] = self._prefill(index, span, q, k, v, kv_cache, plan)
+        return out.view(n, self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        d, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
+        assert plan.decode_block_ids is not None
+        length = plan.decode_blocks * plan.block_size
+        gathered = plan.workspace.take(2 * d * length * kvh * hd, kv_cache.dtype, kv_cache.device)
+        gathered = gathered.view(2, d * plan.decode_blocks, plan.block_size, kvh, hd)
+        torch.index_select(kv_cache, 1, plan.decode_block_ids, out=gathered)
+        keys_values = gathered.view(2, d, length, kvh, hd).transpose(2, 3)  # [2, D, kvh, L, hd]
+        # The `group` query heads of one KV head act as that head's query rows: same keys, same mask.
+        grouped_q = q.view(d, kvh, self.group, hd)
+        attended = F.scaled_dot_product_attention(
+            grouped_q,
+            keys_values[0],
+            keys_values[1],
+            attn_mask=plan.decode_mask(self.sliding_window),
+            scale=self.scale,
+        )
+        return attended.reshape(d, self.num_heads, hd)
+
+    def _prefill(
+        self,
+        index: int,
+        span: PrefillSpan,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        query = q[span.q_start : span.q_end].transpose(0, 1)  # [heads, q, hd]
+        if span.block_ids is None:
+            keys = k[span.q_start : span.q_end].transpose(0, 1)
+            values = v[span.q_start : span.q_end].transpose(0, 1)
+        else:
+            blocks = kv_cache.index_select(1, span.block_ids)
+            context = blocks.view(2, -1, self.num_kv_heads, self.head_dim)[:, : span.context_len]
+            keys, values = context[0].transpose(0, 1), context[1].transpose(0, 1)
+        mask = plan.prefill_mask(index, span, self.sliding_window)
+        attended = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.group > 1,
+        )
+        return attended.transpose(0, 1)

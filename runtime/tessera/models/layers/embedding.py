@@ -1,0 +1,79 @@
+"""Token embedding and LM head split over the vocabulary (each TP rank holds a contiguous range)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.distributed.communication import tp_all_gather, tp_all_reduce
+
+# Padding the vocabulary to a multiple of this (per rank) keeps matmul shapes friendly.
+VOCAB_PADDING = 64
+
+
+def pad_vocab(vocab_size: int, tp_size: int) -> int:
+    multiple = VOCAB_PADDING * tp_size
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_embeddings_padded = pad_vocab(num_embeddings, tp_size)
+        self.per_partition = self.num_embeddings_padded // tp_size
+        self.vocab_start = tp_rank * self.per_partition
+        self.vocab_end = self.vocab_start + self.per_partition
+        self.weight = nn.Parameter(torch.empty(self.per_partition, embedding_dim, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
+            raise ValueError(f"embedding of shape {tuple(loaded.shape)} does not fit vocab {self.num_embeddings}")
+        start = min(self.vocab_start, self.num_embeddings)
+        end = min(self.vocab_end, self.num_embeddings)
+        param.data[: end - start].copy_(loaded[start:end])
+        param.data[end - start :].zero_()  # padding rows: never looked up, logits sliced off
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids outside this rank's range embed to zero here and are summed in from their owner.
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        embedded = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(embedded)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states to vocabulary logits; with tied embeddings it loads the embedding matrix."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, params_dtype, tp_rank, tp_size)
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        logits = tp_all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings].float()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead computes logits through compute_logits(), not forward()")

@@ -1,0 +1,219 @@
+"""Linear layers written for tensor parallelism (Megatron-style), with per-parameter weight loaders.
+
+Every parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies
+this rank's slice of a full checkpoint tensor into it, so the loader streams checkpoint
+tensors one by one without knowing how each layer is sharded. With ``tp_size == 1`` every
+slice is the whole tensor and the layers are plain ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.distributed.communication import tp_all_gather, tp_all_reduce
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
+    # Uninitialised on purpose: every parameter is overwritten by the checkpoint.
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.copy_(loaded)
+
+
+class ReplicatedLinear(nn.Module):
+    """The same full weight on every rank."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, params_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.weight = _param((output_size, input_size), params_dtype)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = _param((output_size,), params_dtype) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A with A split by output columns: rank r holds rows [r*out/tp, (r+1)*out/tp) of the weight."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        output_sizes: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size = input_size
+        self.output_sizes = output_sizes or [output_size]
+        self.output_size_per_partition = divide(output_size, tp_size)
+        self.gather_output = gather_output
+        self.weight = _param((self.output_size_per_partition, input_size), params_dtype)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = _param((self.output_size_per_partition,), params_dtype) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        _copy_checked(param.data, loaded.narrow(0, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather(y, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (e.g. gate and up).
+
+    Rank r's weight is the concatenation of rank r's slice of each projection, so the fused
+    output splits locally into per-projection pieces without communication.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        for size in output_sizes:
+            divide(size, tp_size)
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias=bias,
+            params_dtype=params_dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            output_sizes=output_sizes,
+        )
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+    ) -> None:
+        shard = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        _copy_checked(param.data.narrow(0, offset, shard), loaded.narrow(0, self.tp_rank * shard, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused, split by heads.
+
+    Query heads split evenly over ranks. KV heads split too when there are at least as many
+    as ranks; otherwise each KV head is replicated on ``tp_size / num_kv_heads`` consecutive
+    ranks (the ranks whose query heads share it under GQA).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(
+            hidden_size,
+            (q_size + 2 * kv_size) * tp_size,
+            bias=bias,
+            params_dtype=params_dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.q_size, self.kv_size = q_size, kv_size
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
+    ) -> None:
+        if shard_id == "q":
+            offset, size, shard_rank = 0, self.q_size, self.tp_rank
+        elif shard_id == "k":
+            offset, size = self.q_size, self.kv_size
+            shard_rank = self.tp_rank // self.num_kv_head_replicas
+        elif shard_id == "v":
+            offset, size = self.q_size + self.kv_size, self.kv_size
+            shard_rank = self.tp_rank // self.num_kv_head_replicas
+        else:
+            raise ValueError(f"unknown QKV shard {shard_id!r}")
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, shard_rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A with A split by input rows; partial products are summed over the TP group.
+
+    The bias is added once, after the reduction, so it is not counted tp_size times.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_partition = divide(input_size, tp_size)
+        self.reduce_results = reduce_results
+        self.weight = _param((output_size, self.input_size_per_partition), params_dtype)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = _param((output_size,), params_dtype) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[1]
+        _copy_checked(param.data, loaded.narrow(1, self.tp_rank * shard, shard))
+
+    def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _copy_checked(param.data, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tp_all_reduce(y)
+        return y + self.bias if self.bias is not None else y

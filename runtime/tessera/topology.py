@@ -1,0 +1,205 @@
+"""The topology contract between the operator (writes it) and the runtime (reads it).
+
+Importable without torch: the operator imports this module to write each pod's
+environment, the runtime imports it to read its own place, so the two can never
+disagree. Rank layout: tensor parallelism is the innermost dimension,
+``rank = pp_rank * tp_size + tp_rank``; rank 0 (stage 0, TP rank 0) is the leader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_DIST_PORT = 29500
+DEFAULT_RPC_PORT = 29600
+DEFAULT_API_PORT = 8000
+
+
+class TopologyError(ValueError):
+    """The topology environment is missing or inconsistent; the message names the variable."""
+
+
+def split_layers(num_layers: int, pp_size: int, partition: list[int] | None = None) -> list[tuple[int, int]]:
+    """Return the [start, end) layer range of every pipeline stage.
+
+    An explicit partition wins. Otherwise layers split evenly and the remainder
+    goes to the middle stages first (then the first), never the last: the last
+    stage also computes logits and samples, so it gets the lightest share.
+    """
+    if pp_size < 1:
+        raise TopologyError(f"pipeline size must be >= 1, got {pp_size}")
+    if partition is not None:
+        if len(partition) != pp_size:
+            raise TopologyError(
+                f"TESSERA_LAYER_PARTITION has {len(partition)} entries but the pipeline has {pp_size} stages"
+            )
+        if any(n < 1 for n in partition):
+            raise TopologyError(f"TESSERA_LAYER_PARTITION entries must be >= 1, got {partition}")
+        if sum(partition) != num_layers:
+            raise TopologyError(
+                f"TESSERA_LAYER_PARTITION {partition} sums to {sum(partition)}, the model has {num_layers} layers"
+            )
+        sizes = list(partition)
+    else:
+        if num_layers < pp_size:
+            raise TopologyError(f"cannot split {num_layers} layers into {pp_size} pipeline stages")
+        base, remainder = divmod(num_layers, pp_size)
+        sizes = [base] * pp_size
+        middle = list(range(1, pp_size - 1)) + [0]
+        for stage in middle[:remainder]:
+            sizes[stage] += 1
+    ranges, start = [], 0
+    for size in sizes:
+        ranges.append((start, start + size))
+        start += size
+    return ranges
+
+
+def parse_partition(text: str | None) -> list[int] | None:
+    if text is None or not text.strip():
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError as exc:
+        raise TopologyError(f"TESSERA_LAYER_PARTITION must be comma-separated integers, got {text!r}") from exc
+
+
+class Topology(BaseModel):
+    """One rank's place in a replica group, and where to find the group's leader."""
+
+    model_config = ConfigDict(frozen=True)
+
+    cluster: str = "local"
+    namespace: str = "default"
+    group: int = Field(0, ge=0)
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+    tp_rank: int = Field(0, ge=0)
+    pp_rank: int = Field(0, ge=0)
+    layer_partition: list[int] | None = None
+    leader_addr: str = "127.0.0.1"
+    dist_port: int = Field(DEFAULT_DIST_PORT, ge=1, le=65535)
+    rpc_port: int = Field(DEFAULT_RPC_PORT, ge=1, le=65535)
+    api_port: int = Field(DEFAULT_API_PORT, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _check(self) -> Topology:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"TESSERA_TP_RANK={self.tp_rank} must be < TESSERA_TP_SIZE={self.tp_size}")
+        if self.pp_rank >= self.pp_size:
+            raise ValueError(f"TESSERA_PP_RANK={self.pp_rank} must be < TESSERA_PP_SIZE={self.pp_size}")
+        if self.sequence_parallel and self.tp_size < 2:
+            raise ValueError("TESSERA_SEQUENCE_PARALLEL needs TESSERA_TP_SIZE > 1")
+        if self.layer_partition is not None and len(self.layer_partition) != self.pp_size:
+            raise ValueError(
+                f"TESSERA_LAYER_PARTITION has {len(self.layer_partition)} entries, "
+                f"TESSERA_PP_SIZE is {self.pp_size}"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def for_rank(self, rank: int) -> Topology:
+        """The same group seen from another rank (used to launch local rank processes)."""
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} outside world of size {self.world_size}")
+        pp_rank, tp_rank = divmod(rank, self.tp_size)
+        return self.model_copy(update={"pp_rank": pp_rank, "tp_rank": tp_rank})
+
+    def to_env(self) -> dict[str, str]:
+        """The environment a rank process (or pod) receives; torch's own names carry the same values."""
+        env = {
+            "TESSERA_CLUSTER": self.cluster,
+            "TESSERA_NAMESPACE": self.namespace,
+            "TESSERA_GROUP": str(self.group),
+            "TESSERA_TP_SIZE": str(self.tp_size),
+            "TESSERA_PP_SIZE": str(self.pp_size),
+            "TESSERA_SEQUENCE_PARALLEL": "true" if self.sequence_parallel else "false",
+            "TESSERA_TP_RANK": str(self.tp_rank),
+            "TESSERA_PP_RANK": str(self.pp_rank),
+            "TESSERA_RANK": str(self.rank),
+            "TESSERA_WORLD_SIZE": str(self.world_size),
+            "TESSERA_LEADER_ADDR": self.leader_addr,
+            "TESSERA_DIST_PORT": str(self.dist_port),
+            "TESSERA_RPC_PORT": str(self.rpc_port),
+            "TESSERA_API_PORT": str(self.api_port),
+            "MASTER_ADDR": self.leader_addr,
+            "MASTER_PORT": str(self.dist_port),
+            "RANK": str(self.rank),
+            "WORLD_SIZE": str(self.world_size),
+            # One rank per pod (or per local process group slot): the local rank is the TP rank
+            # within the stage, which is what picks the CUDA device on a multi-GPU node.
+            "LOCAL_RANK": str(self.tp_rank),
+        }
+        if self.layer_partition is not None:
+            env["TESSERA_LAYER_PARTITION"] = ",".join(str(n) for n in self.layer_partition)
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> Topology:
+        """Read and validate the contract; every error names the variable at fault."""
+
+        def read_int(name: str, default: int) -> int:
+            raw = environ.get(name)
+            if raw is None or raw == "":
+                return default
+            try:
+                return int(raw)
+            except ValueError as exc:
+                raise TopologyError(f"{name} must be an integer, got {raw!r}") from exc
+
+        def read_bool(name: str) -> bool:
+            raw = environ.get(name, "false").strip().lower()
+            if raw in ("1", "true", "yes", "on"):
+                return True
+            if raw in ("0", "false", "no", "off", ""):
+                return False
+            raise TopologyError(f"{name} must be true or false, got {raw!r}")
+
+        try:
+            topology = cls(
+                cluster=environ.get("TESSERA_CLUSTER", "local"),
+                namespace=environ.get("TESSERA_NAMESPACE", "default"),
+                group=read_int("TESSERA_GROUP", 0),
+                tp_size=read_int("TESSERA_TP_SIZE", 1),
+                pp_size=read_int("TESSERA_PP_SIZE", 1),
+                sequence_parallel=read_bool("TESSERA_SEQUENCE_PARALLEL"),
+                tp_rank=read_int("TESSERA_TP_RANK", 0),
+                pp_rank=read_int("TESSERA_PP_RANK", 0),
+                layer_partition=parse_partition(environ.get("TESSERA_LAYER_PARTITION")),
+                leader_addr=environ.get("TESSERA_LEADER_ADDR", environ.get("MASTER_ADDR", "127.0.0.1")),
+                dist_port=read_int("TESSERA_DIST_PORT", DEFAULT_DIST_PORT),
+                rpc_port=read_int("TESSERA_RPC_PORT", DEFAULT_RPC_PORT),
+                api_port=read_int("TESSERA_API_PORT", DEFAULT_API_PORT),
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise TopologyError(str(first.get("ctx", {}).get("error", first["msg"]))) from exc
+        if "TESSERA_RANK" in environ and read_int("TESSERA_RANK", 0) != topology.rank:
+            raise TopologyError(
+                f"TESSERA_RANK={environ['TESSERA_RANK']} disagrees with "
+                f"TESSERA_PP_RANK * TESSERA_TP_SIZE + TESSERA_TP_RANK = {topology.rank}"
+            )
+        if "TESSERA_WORLD_SIZE" in environ and read_int("TESSERA_WORLD_SIZE", 0) != topology.world_size:
+            raise TopologyError(
+                f"TESSERA_WORLD_SIZE={environ['TESSERA_WORLD_SIZE']} disagrees with "
+                f"TESSERA_TP_SIZE * TESSERA_PP_SIZE = {topology.world_size}"
+            )
+        return topology

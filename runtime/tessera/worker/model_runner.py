@@ -1,0 +1,203 @@
+"""Turns a SchedulerOutput into one forward pass over a flat batch, and samples.
+
+Per-request state (tokens, blocks, generator) lives here between steps; the
+scheduler sends it once (``new``) and then only each step's tokens and blocks.
+Decodes are placed first so attention can batch them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tessera.config import EngineConfig
+from tessera.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tessera.engine.messages import TokenLogprobs
+from tessera.models.layers.attention import AttentionMetadata
+from tessera.models.loader import load_model
+from tessera.sampling_params import SamplingParams
+from tessera.worker.sampler import Sampler, SamplingMetadata
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass
+class CachedRequestState:
+    token_ids: list[int]  # prompt + outputs known so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    generator: torch.Generator | None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.model = load_model(model_dir, dtype=dtype, device=device)
+        self.max_model_len = config.max_model_len or int(self.model.config.max_position_embeddings)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    # -- KV cache -------------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_size
+
+    def determine_num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _total = torch.cuda.mem_get_info(self.device)
+                budget = int(free * GPU_MEMORY_UTILIZATION)
+            else:
+                budget = DEFAULT_CPU_KV_CACHE_BYTES
+        return max(budget // self.bytes_per_block(), 0)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        blocks_per_seq = -(-self.max_model_len // self.block_size)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
+                f"({num_blocks * self.block_size} tokens), fewer than max_model_len={self.max_model_len}: "
+                "raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+            )
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
+        shape = (2, num_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for scheduled in scheduler_output.scheduled:
+            state = self.requests.get(scheduled.request_id)
+            if scheduled.new is not None:
+                new = scheduled.new
+                generator = None
+                if new.sampling_params.seed is not None:
+                    generator = torch.Generator(device=self.device)
+                    generator.manual_seed(new.sampling_params.seed)
+                state = CachedRequestState(
+                    token_ids=new.prompt_token_ids + new.output_token_ids,
+                    num_prompt_tokens=len(new.prompt_token_ids),
+                    sampling_params=new.sampling_params,
+                    eos_token_id=new.eos_token_id,
+                    block_ids=scheduled.block_ids,
+                    generator=generator,
+                )
+                self.requests[scheduled.request_id] = state
+            assert state is not None, f"unknown request {scheduled.request_id}"
+            state.block_ids = scheduled.block_ids
+            known = len(state.token_ids) - scheduled.start_position
+            if known < len(scheduled.token_ids):
+                state.token_ids.extend(scheduled.token_ids[known:])
+
+    def _prepare_inputs(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        for scheduled in batch:
+            count = len(scheduled.token_ids)
+            input_ids.extend(scheduled.token_ids)
+            positions.extend(range(scheduled.start_position, scheduled.start_position + count))
+            query_start_loc.append(query_start_loc[-1] + count)
+            seq_lens.append(scheduled.start_position + count)
+        max_blocks = max(len(scheduled.block_ids) for scheduled in batch)
+        block_tables = torch.zeros((len(batch), max_blocks), dtype=torch.int64)
+        for row, scheduled in enumerate(batch):
+            block_tables[row, : len(scheduled.block_ids)] = torch.tensor(scheduled.block_ids, dtype=torch.int64)
+        positions_cpu = torch.tensor(positions, dtype=torch.int64)
+        query_lens = torch.tensor([len(s.token_ids) for s in batch], dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(len(batch)), query_lens)
+        block_of_token = block_tables[rows, positions_cpu // self.block_size]
+        slot_mapping = block_of_token * self.block_size + positions_cpu % self.block_size
+        num_decodes = 0
+        while num_decodes < len(batch) and len(batch[num_decodes].token_ids) == 1:
+            num_decodes += 1
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            block_tables=block_tables.to(device),
+            num_decodes=num_decodes,
+            max_seq_len=max(seq_lens),
+            query_start_loc_list=query_start_loc,
+            seq_lens_list=seq_lens,
+        )
+        return torch.tensor(input_ids, dtype=torch.int64, device=device), positions_cpu.to(device), metadata
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [state.sampling_params for state in states]
+        generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
+        blocked: dict[int, list[int]] = {}
+        for row, state in enumerate(states):
+            if len(state.output_token_ids) < state.sampling_params.min_tokens:
+                stops = list(state.sampling_params.stop_token_ids)
+                if state.eos_token_id is not None:
+                    stops.append(state.eos_token_id)
+                blocked[row] = stops
+        needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
+        return SamplingMetadata.from_params(
+            params,
+            output_token_ids=[state.output_token_ids for state in states],
+            prompt_token_ids=[state.token_ids[: state.num_prompt_tokens] for state in states]
+            if needs_prompt
+            else None,
+            generators=generators,
+            blocked_token_ids=blocked,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        # Decodes first (stable sort keeps the scheduler's order within each kind).
+        batch = sorted(scheduler_output.scheduled, key=lambda s: len(s.token_ids) != 1)
+        input_ids, positions, metadata = self._prepare_inputs(batch)
+        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
+
+        sampled = [row for row, scheduled in enumerate(batch) if scheduled.sample]
+        if not sampled:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+        last_token_rows = torch.tensor([metadata.query_start_loc_list[row + 1] - 1 for row in sampled])
+        logits = self.model.compute_logits(hidden_states[last_token_rows.to(self.device)])
+        states = [self.requests[batch[row].request_id] for row in sampled]
+        output = self.sampler(logits, self._sampling_metadata(states))
+
+        logprobs = None
+        if output.logprobs is not None and output.top_token_ids is not None and output.top_logprobs is not None:
+            logprobs = [
+                TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=lps)
+                for lp, ids, lps in zip(
+                    output.logprobs.tolist(),
+                    output.top_token_ids.tolist(),
+                    output.top_logprobs.tolist(),
+                    strict=True,
+                )
+            ]
+        return ModelRunnerOutput(
+            request_ids=[batch[row].request_id for row in sampled],
+            sampled_token_ids=output.sampled_token_ids.tolist(),
+            logprobs=logprobs,
+        )

@@ -1,0 +1,265 @@
+"""The sampler against hand computations and its sampling guarantees (fixed seeds: deterministic)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tessera.sampling_params import SamplingParams
+from tessera.worker.sampler import Sampler, SamplingMetadata, apply_penalties
+
+VOCAB = 1000
+
+
+def metadata(
+    params: list[SamplingParams],
+    outputs: list[list[int]] | None = None,
+    prompts: list[list[int]] | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+    blocked: dict[int, list[int]] | None = None,
+) -> SamplingMetadata:
+    return SamplingMetadata.from_params(
+        params,
+        output_token_ids=outputs if outputs is not None else [[] for _ in params],
+        prompt_token_ids=prompts,
+        generators=generators or {},
+        blocked_token_ids=blocked or {},
+    )
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], **kwargs) -> torch.Tensor:
+    return Sampler()(logits, metadata(params, **kwargs)).sampled_token_ids
+
+
+def test_greedy_is_argmax_and_skips_unused_features() -> None:
+    logits = random_logits(8)
+    meta = metadata([SamplingParams(temperature=0.0, max_tokens=4)] * 8)
+    assert meta.all_greedy and not meta.all_random
+    assert meta.top_k is meta.top_p is meta.min_p is None
+    assert meta.no_penalties and meta.max_num_logprobs is None
+    out = Sampler()(logits, meta)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
+    assert out.logprobs is None and out.top_token_ids is None
+
+
+def test_top_k_1_equals_greedy() -> None:
+    logits = random_logits(16, seed=1)
+    torch.manual_seed(0)
+    top1 = sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 16)
+    greedy = sample(logits, [SamplingParams(temperature=0.0)] * 16)
+    assert torch.equal(top1, greedy)
+    assert torch.equal(greedy, logits.argmax(dim=-1))
+
+
+def test_mixed_batch_greedy_rows_take_argmax() -> None:
+    logits = random_logits(6, seed=2)
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(6)]
+    meta = metadata(params)
+    assert not meta.all_greedy and not meta.all_random
+    torch.manual_seed(0)
+    sampled = Sampler()(logits, meta).sampled_token_ids
+    assert torch.equal(sampled[::2], logits[::2].argmax(dim=-1))
+
+
+def test_seeded_row_same_tokens_alone_and_in_any_batch() -> None:
+    mine = SamplingParams(temperature=0.9, top_k=50, seed=1234)
+    others = [
+        SamplingParams(temperature=1.2),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=7),
+        SamplingParams(temperature=1.0, top_k=3, top_p=0.5),
+    ]
+    steps = 12
+    alone_gen = torch.Generator().manual_seed(mine.seed or 0)
+    batch_gen = torch.Generator().manual_seed(mine.seed or 0)
+    other_gen = torch.Generator().manual_seed(7)
+    torch.manual_seed(99)
+    alone, in_batch = [], []
+    for step in range(steps):
+        row_logits = random_logits(1, seed=100 + step)
+        alone.append(int(sample(row_logits, [mine], generators={0: alone_gen})[0]))
+
+        # The seeded row sits at position 2 among rows that use every other feature.
+        batch_logits = torch.cat(
+            [random_logits(2, seed=500 + step), row_logits, random_logits(4, seed=900 + step)]
+        )
+        params = [*others[:2], mine, *others[2:], SamplingParams(temperature=1.0, top_k=1)]
+        generators = {2: batch_gen, 4: other_gen}
+        in_batch.append(int(sample(batch_logits, params, generators=generators)[2]))
+    assert alone == in_batch
+    assert len(set(alone)) > 1  # really sampled, not argmax every step
+
+
+def test_different_seeds_give_different_streams() -> None:
+    logits = random_logits(1, seed=3, scale=0.5).expand(40, VOCAB).contiguous()
+    params = SamplingParams(temperature=1.0)
+    runs = []
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        runs.append([int(sample(logits[:1], [params], generators={0: gen})[0]) for _ in range(40)])
+    assert runs[0] != runs[1]
+
+
+def test_small_temperature_approaches_greedy() -> None:
+    logits = random_logits(64, seed=4)
+    best = logits.argmax(dim=-1)
+    logits[torch.arange(64), best] += 0.2  # a clear winner: exp(-0.2 / 1e-3) is nothing
+    torch.manual_seed(0)
+    cold = sample(logits, [SamplingParams(temperature=1e-3)] * 64)
+    assert torch.equal(cold, best)
+    warm = sample(logits, [SamplingParams(temperature=1.0)] * 64)
+    assert not torch.equal(warm, best)
+
+
+DRAWS = 4000
+
+
+def many_draws(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    torch.manual_seed(0)
+    return sample(row_logits.expand(DRAWS, -1).contiguous(), [params] * DRAWS)
+
+
+def test_top_k_restricts_support() -> None:
+    logits = random_logits(1, seed=5, scale=0.3)
+    allowed = set(logits[0].topk(5).indices.tolist())
+    drawn = set(many_draws(logits, SamplingParams(temperature=1.0, top_k=5)).tolist())
+    assert drawn == allowed  # inside the set, and (with flat logits) all of it reached
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
+    """The smallest set of most likely tokens whose mass reaches top_p, by hand."""
+    values, order = probs.sort(descending=True)
+    kept, mass = [], 0.0
+    for value, token in zip(values.tolist(), order.tolist(), strict=True):
+        kept.append(token)
+        mass += value
+        if mass >= top_p:
+            break
+    return set(kept)
+
+
+def test_top_p_restricts_support() -> None:
+    logits = random_logits(1, seed=6, vocab=50, scale=1.5)
+    allowed = nucleus(logits[0].softmax(-1), 0.6)
+    drawn = set(many_draws(logits, SamplingParams(temperature=1.0, top_p=0.6)).tolist())
+    assert drawn <= allowed
+    assert len(drawn) > 1
+
+
+def test_top_k_and_top_p_together() -> None:
+    logits = random_logits(1, seed=7, vocab=50, scale=0.5)
+    top10 = logits[0].topk(10)
+    renormalised = torch.full((50,), 0.0)
+    renormalised[top10.indices] = top10.values.softmax(-1)
+    allowed = nucleus(renormalised, 0.5) & set(top10.indices.tolist())
+    drawn = set(many_draws(logits, SamplingParams(temperature=1.0, top_k=10, top_p=0.5)).tolist())
+    assert drawn <= allowed
+    assert len(drawn) > 1
+
+
+def test_min_p_restricts_support() -> None:
+    logits = random_logits(1, seed=8, vocab=50, scale=1.5)
+    probs = logits[0].softmax(-1)
+    allowed = set(torch.nonzero(probs >= 0.2 * probs.max()).flatten().tolist())
+    drawn = set(many_draws(logits, SamplingParams(temperature=1.0, min_p=0.2)).tolist())
+    assert drawn <= allowed
+    assert len(drawn) > 1
+
+
+def test_penalties_match_hand_computation() -> None:
+    logits = torch.tensor([[1.0, -2.0, 0.5, 3.0, -1.0, 0.0]] * 2)
+    params = [
+        SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(),  # a row without penalties in the same batch stays untouched
+    ]
+    meta = metadata(params, outputs=[[2, 2, 3], [2, 3]], prompts=[[0, 4], [0, 1]])
+    penalised = apply_penalties(logits, meta)
+    # repetition on seen {0, 2, 3, 4}: positive / 2, negative * 2;
+    # then token 2 (twice in output): -0.25*2 - 0.5; token 3 (once): -0.25 - 0.5.
+    expected = torch.tensor([0.5, -2.0, 0.25 - 0.5 - 0.5, 1.5 - 0.25 - 0.5, -2.0, 0.0])
+    torch.testing.assert_close(penalised[0], expected)
+    torch.testing.assert_close(penalised[1], logits[1])
+
+
+def test_penalties_change_greedy_choice() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.9, 0.0]])
+    plain = sample(logits, [SamplingParams(temperature=0.0)], outputs=[[1, 1]])
+    penalised = sample(logits, [SamplingParams(temperature=0.0, frequency_penalty=0.1)], outputs=[[1, 1]])
+    assert (int(plain[0]), int(penalised[0])) == (1, 2)
+
+
+def test_repetition_penalty_needs_prompt_ids() -> None:
+    with pytest.raises(ValueError, match="prompt token ids"):
+        metadata([SamplingParams(repetition_penalty=1.2)])
+
+
+def test_blocked_tokens_never_sampled() -> None:
+    logits = random_logits(1, seed=9, vocab=20, scale=0.5)
+    top3 = logits[0].topk(3).indices.tolist()
+    greedy = sample(logits, [SamplingParams(temperature=0.0)], blocked={0: top3[:1]})
+    assert int(greedy[0]) == top3[1]
+
+    torch.manual_seed(0)
+    batch = logits.expand(DRAWS, -1).contiguous()
+    blocked = {row: top3 for row in range(DRAWS)}
+    drawn = set(sample(batch, [SamplingParams(temperature=1.0)] * DRAWS, blocked=blocked).tolist())
+    assert not drawn & set(top3)
+    assert len(drawn) > 5
+
+
+def test_logprobs_are_raw_log_softmax_with_sorted_top_tokens() -> None:
+    logits = random_logits(4, seed=10)
+    params = [
+        SamplingParams(temperature=0.5, logprobs=3, presence_penalty=1.0),
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0, logprobs=0),
+    ]
+    torch.manual_seed(0)
+    out = Sampler()(logits, metadata(params, outputs=[[1, 2], [], [3], []]))
+    raw = logits.log_softmax(dim=-1)
+    assert out.logprobs is not None and out.top_logprobs is not None and out.top_token_ids is not None
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.sampled_token_ids.unsqueeze(1)).squeeze(1))
+    assert out.top_token_ids.shape == (4, 5) and out.top_token_ids.dtype == torch.int64
+    expected = raw.topk(5, dim=-1)
+    assert torch.equal(out.top_token_ids, expected.indices)
+    torch.testing.assert_close(out.top_logprobs, expected.values)
+    assert bool((out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all())
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# 99.9th percentile of chi-square with 3 degrees of freedom.
+CHI2_3DOF_999 = 16.27
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 0.5])
+def test_empirical_distribution_matches(temperature: float) -> None:
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    draws = 20000
+    torch.manual_seed(0)
+    logits = probs.log().expand(draws, -1).contiguous()
+    drawn = sample(logits, [SamplingParams(temperature=temperature)] * draws)
+    counts = torch.bincount(drawn, minlength=4).float()
+    tempered = probs.pow(1.0 / temperature)
+    assert chi_square(counts, tempered / tempered.sum()) < CHI2_3DOF_999
+
+
+def test_seeded_rows_follow_the_distribution() -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    draws = 5000
+    generators = {row: torch.Generator().manual_seed(row) for row in range(draws)}
+    logits = probs.log().expand(draws, -1).contiguous()
+    drawn = sample(logits, [SamplingParams(temperature=1.0, seed=0)] * draws, generators=generators)
+    counts = torch.bincount(drawn, minlength=4).float()
+    assert chi_square(counts, probs) < CHI2_3DOF_999
+    assert math.isclose(float(counts.sum()), draws)
