@@ -18,6 +18,7 @@ from e2e.local_cluster import LocalCluster, binaries_installed, install_binaries
 K8S_FIXTURES = {"k8s_cluster", "k8s_namespace"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m "not k8s"` deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if K8S_FIXTURES.intersection(getattr(item, "fixturenames", ())):

@@ -34,7 +34,10 @@ if all_cached; then
 fi
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/tessera-k8s-build.XXXXXX")"
-cleanup() { chmod -R u+w "$WORK" 2>/dev/null || true; rm -rf "$WORK"; }
+cleanup() {
+  log "removing the build directory"
+  rm -rf "$WORK" 2>/dev/null || { chmod -R u+w "$WORK"; rm -rf "$WORK"; }
+}
 trap cleanup EXIT
 log "building in $WORK"
 

@@ -122,6 +122,7 @@ class LocalCluster:
     def start(self, timeout: float = 120.0) -> LocalCluster:
         missing = [b for b in BINARIES if not os.access(self.bin_dir / b, os.X_OK)]
         if missing:
+            self.stop()
             raise FileNotFoundError(f"missing {missing} in {self.bin_dir}: run `bash {INSTALL_SCRIPT}`")
         atexit.register(self.stop)
         try:

@@ -24,11 +24,9 @@ QUEUE_DEPTH_METRIC = "tessera:num_requests_waiting"
 # A Kubernetes resource quantity (e.g. 2Gi, 512Mi, 1e9, 1500000000).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][0-9]+|[KMGTPE]i?|k|m)?$"
 
+
 # Kubernetes objects the operator passes through unchanged into the pod: the API server
 # validates them when the pod is created, the CRD keeps them as free-form objects.
-FREE_FORM: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-
-
 def free_form(description: str) -> Any:
     return Field(
         default=None,

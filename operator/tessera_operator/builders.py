@@ -17,6 +17,7 @@ from tessera.topology import DEFAULT_API_PORT, DEFAULT_DIST_PORT, DEFAULT_RPC_PO
 
 from tessera_operator import naming
 from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
+from tessera_operator.observe import GROUP_SIZE_ANNOTATION
 from tessera_operator.validation import RESERVED_ENV
 
 CONTAINER_NAME = "rank"
@@ -251,7 +252,7 @@ def build_pod(
             "name": name,
             "namespace": ref.namespace,
             "labels": {**template.labels, **pod_labels(ref, group, stage, tp_rank, revision)},
-            "annotations": dict(template.annotations),
+            "annotations": {**template.annotations, GROUP_SIZE_ANNOTATION: str(topology.world_size)},
             "ownerReferences": [owner_reference(ref)],
         },
         "spec": pod_spec,

@@ -39,7 +39,8 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if key in DROPPED_KEYS or (key == "default" and value is None):
+        # Kubernetes 1.20 reads an empty-string default as null and rejects the CRD.
+        if key in DROPPED_KEYS or (key == "default" and value in (None, "")):
             continue
         out[key] = value
     if "const" in node:

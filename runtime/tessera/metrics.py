@@ -43,12 +43,16 @@ class EngineMetrics:
         self._generation_tokens = counter("generation_tokens_total", "Generation tokens processed.")
         self._success = counter("request_success_total", "Finished requests.", ("finished_reason",))
         self._preemptions = counter("num_preemptions_total", "Preemptions by the scheduler.")
-        self._prefix_queries = counter("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.")
+        self._prefix_queries = counter(
+            "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."
+        )
         self._prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache.")
         self._ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self._itl = histogram("inter_token_latency_seconds", "Inter-token latency.", _ITL_BUCKETS)
         self._e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.", _REQUEST_BUCKETS)
-        self._queue = histogram("request_queue_time_seconds", "Time waiting before the first step.", _REQUEST_BUCKETS)
+        self._queue = histogram(
+            "request_queue_time_seconds", "Time waiting before the first step.", _REQUEST_BUCKETS
+        )
         self.model_name = model_name
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:

@@ -6,11 +6,11 @@ import asyncio
 import time
 
 import pytest
-
 from tessera.config import EngineConfig
 from tessera.engine.core_client import AsyncMPClient, EngineDeadError, SyncMPClient
 from tessera.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from tessera.sampling_params import SamplingParams
+
 from tests.serving.fake_core import CRASH_TOKEN, FakeEngineCore
 
 CONFIG = EngineConfig(model="fake")
@@ -45,7 +45,10 @@ def test_sync_client_round_trip_and_abort() -> None:
         assert client.ready_info["max_model_len"] == 64
         client.add_request(request("a", 10, 3))
         client.add_request(request("b", 100, 5))
-        assert collect_until_finished(client, {"a", "b"}) == {"a": [11, 12, 13], "b": [101, 102, 103, 104, 105]}
+        assert collect_until_finished(client, {"a", "b"}) == {
+            "a": [11, 12, 13],
+            "b": [101, 102, 103, 104, 105],
+        }
         # An aborted request stops producing, and the core publishes idle stats afterwards.
         client.add_request(request("c", 0, 10_000))
         client.get_output(timeout=10)

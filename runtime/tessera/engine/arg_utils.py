@@ -48,7 +48,8 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
-def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ("model",)) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ("model", "seed")) -> None:
+    """Add the engine flags. `seed` is left out by default: `tessera generate` uses --seed for sampling."""
     group = parser.add_argument_group("engine")
     for name, field in EngineConfig.model_fields.items():
         if name in exclude:

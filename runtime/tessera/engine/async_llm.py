@@ -11,9 +11,11 @@ EngineDeadError and the registered callbacks run (the server then exits).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +23,7 @@ from tessera.config import EngineConfig
 from tessera.engine.core_client import AsyncMPClient, EngineDeadError
 from tessera.engine.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
 from tessera.engine.output_processor import OutputProcessor, RequestOutputKind
-from tessera.engine.processor import InputProcessor
+from tessera.engine.processor import InputProcessor, generation_eos_token_ids, load_tokenizer
 from tessera.metrics import EngineMetrics
 from tessera.models.registry import resolve_model
 from tessera.outputs import RequestOutput
@@ -56,9 +58,16 @@ class AsyncLLM:
         self.config = config
         self.model_dir = resolve_model(config.model)  # converts once here, so the core finds it cached
         self.served_model_name = served_model_name or config.model
-        self.core = AsyncMPClient(config, engine_core_cls)
-        self.max_model_len = int(self.core.ready_info["max_model_len"])
-        self.processor = InputProcessor.from_model_dir(self.model_dir, self.max_model_len)
+        # Load the tokenizer (slow imports) while the engine core process loads the model.
+        with ThreadPoolExecutor(1) as pool:
+            tokenizer = pool.submit(load_tokenizer, self.model_dir)
+            self.core = AsyncMPClient(config, engine_core_cls)
+            self.max_model_len = int(self.core.ready_info["max_model_len"])
+            self.processor = InputProcessor(
+                tokenizer.result(),
+                self.max_model_len,
+                extra_eos_token_ids=generation_eos_token_ids(self.model_dir),
+            )
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name)
@@ -149,10 +158,8 @@ class AsyncLLM:
         for child_id in stream.children:
             self._finish_child(child_id, FINISH_ABORT, now)
         if self.dead_error is None:
-            try:
+            with contextlib.suppress(EngineDeadError):
                 self.core.abort_requests(stream.children)
-            except EngineDeadError:
-                pass
         logger.info("aborted request %s", request_id)
 
     # --- the output handler ------------------------------------------------------------------
@@ -201,7 +208,9 @@ class AsyncLLM:
                     # The step that produced the first token started at outputs.timestamp:
                     # until then the request was queued (or prefilling earlier chunks).
                     queue_time = (outputs.timestamp or now) - timing.arrival_time
-                    self.metrics.record_first_token(timing.num_prompt_tokens, now - timing.arrival_time, queue_time)
+                    self.metrics.record_first_token(
+                        timing.num_prompt_tokens, now - timing.arrival_time, queue_time
+                    )
                 elif timing.last_token_time is not None:
                     self.metrics.record_inter_token_latency(now - timing.last_token_time)
                 timing.last_token_time = now

@@ -9,6 +9,7 @@ Two flavours: SyncMPClient (blocking get_output) and AsyncMPClient (awaitable).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -206,10 +207,8 @@ class AsyncMPClient(MPClientBase):
         loop, queue_ = self._loop, self._queue
         if loop is None or queue_ is None:
             return  # nobody listens yet; dead_error is checked on the first get
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop: the process is shutting down
             loop.call_soon_threadsafe(queue_.put_nowait, item)
-        except RuntimeError:
-            pass  # the loop is closed: the process is shutting down
 
     async def get_output_async(self) -> EngineCoreOutputs:
         queue_ = self._ensure_started()

@@ -84,10 +84,9 @@ class EngineCoreProc:
     def run(self, ready_info: dict[str, Any]) -> None:
         self.output_queue.put((READY, ready_info))
         while True:
-            if not self.engine.has_unfinished_requests():
-                # Idle: block until the frontend sends something.
-                if not self._handle(*self.input_queue.get()):
-                    return
+            # Idle: block until the frontend sends something.
+            if not self.engine.has_unfinished_requests() and not self._handle(*self.input_queue.get()):
+                return
             while not self.input_queue.empty():
                 if not self._handle(*self.input_queue.get_nowait()):
                     return
@@ -146,7 +145,9 @@ def _exit_when_parent_dies() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def run_engine_core(config_json: str, input_addr: str, output_addr: str, engine_core_cls: type | None) -> None:
+def run_engine_core(
+    config_json: str, input_addr: str, output_addr: str, engine_core_cls: type | None
+) -> None:
     """Entry point of the spawned engine core process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine-core] %(message)s")
     _exit_when_parent_dies()

@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.output_text = ""
         self.token_ids: list[int] = []
+        self.num_decoded_tokens = 0  # tokens whose text has been emitted by the stream
         if self.rust_tokenizer is not None:
             self.stream: DecodeStream | None = DecodeStream(
                 ids=prompt_token_ids[-PRIMING_TOKENS:], skip_special_tokens=self.skip_special_tokens
@@ -38,9 +39,17 @@ class IncrementalDetokenizer:
                 piece = self.stream.step(self.rust_tokenizer, token_id)
                 if piece:
                     self.output_text += piece
+                    self.num_decoded_tokens = len(self.token_ids)
         if self.stream is None:  # slow tokenizers: decode the whole output again
             self.output_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
         return self._check_stop_strings(previous_len)
+
+    def flush(self) -> None:
+        """At the end, emit what the stream still holds (an incomplete UTF-8 sequence) as decode would."""
+        if self.stream is not None and self.num_decoded_tokens < len(self.token_ids):
+            pending = self.token_ids[self.num_decoded_tokens :]
+            self.output_text += self.tokenizer.decode(pending, skip_special_tokens=self.skip_special_tokens)
+            self.num_decoded_tokens = len(self.token_ids)
 
     def _check_stop_strings(self, previous_len: int) -> str | None:
         if not self.stop:

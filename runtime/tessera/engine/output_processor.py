@@ -120,6 +120,7 @@ class OutputProcessor:
                 if output.finish_reason is None:
                     reqs_to_abort.append(output.request_id)
             elif output.finish_reason is not None:
+                sequence.detokenizer.flush()
                 sequence.finish_reason, sequence.stop_reason = output.finish_reason, output.stop_reason
             updated[parent_id] = request
 

@@ -46,15 +46,23 @@ _ERROR_TYPES = {
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=status)).model_dump()
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=error_type, param=param, code=status)
+    ).model_dump()
 
 
-def error_response(message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
-    body = payload.model_dump_json(exclude_unset=False) if isinstance(payload, BaseModel) else json.dumps(payload)
+    body = (
+        payload.model_dump_json(exclude_unset=False)
+        if isinstance(payload, BaseModel)
+        else json.dumps(payload)
+    )
     return f"data: {body}\n\n"
 
 
@@ -75,7 +83,9 @@ class ServingContext:
     def check_admission(self) -> None:
         engine = self.engine
         if engine.dead_error is not None:
-            raise APIError("the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
+            raise APIError(
+                "the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"}
+            )
         if self.max_waiting_requests is not None and engine.num_waiting_requests > self.max_waiting_requests:
             raise APIError(
                 f"the server is overloaded: {engine.num_waiting_requests} requests are waiting "
@@ -84,7 +94,9 @@ class ServingContext:
                 headers={"Retry-After": "1"},
             )
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def tokenize(
+        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
         try:
             return self.engine.tokenize(prompt, add_special_tokens=add_special_tokens)
         except ValueError as exc:
@@ -115,8 +127,11 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """Interleave several generators as items arrive, tagged with their position; closes all on exit."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
         return
     queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
 
@@ -137,10 +152,10 @@ async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator
             if entry is None:
                 remaining -= 1
                 continue
-            index, item = entry
-            if isinstance(item, BaseException):
-                raise item
-            yield index, item
+            index, value = entry[0], entry[1]
+            if isinstance(value, BaseException):
+                raise value
+            yield index, value
     finally:
         for task in tasks:
             task.cancel()

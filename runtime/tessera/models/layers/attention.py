@@ -27,7 +27,9 @@ from torch import nn
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [N] int64: flat cache slot (block_id * block_size + offset) of each new token
+    slot_mapping: (
+        torch.Tensor
+    )  # [N] int64: flat cache slot (block_id * block_size + offset) of each new token
     query_start_loc: torch.Tensor  # [B+1] int64 (CPU): tokens of seq i are [qsl[i], qsl[i+1])
     seq_lens: torch.Tensor  # [B] int64 (CPU): context length of each seq after this step
     block_tables: torch.Tensor  # [B, max_blocks] int64: block ids of each seq, padded with 0
@@ -70,14 +72,41 @@ class PrefillSpan:
         return self.q_end - self.q_start
 
 
+# Decodes are gathered padded to the longest one in their group. Grouping decodes of similar
+# length (sorted, equal-count groups) keeps that padding small when lengths vary; groups below
+# this size are not worth an extra gather and attention call per layer.
+MIN_DECODE_GROUP = 8
+MAX_DECODE_GROUPS = 4
+
+
+@dataclass
+class DecodeGroup:
+    rows: torch.Tensor | None  # decode rows in this group (device); None: all decodes, in order
+    size: int
+    blocks: int  # blocks gathered per decode (the group's longest)
+    block_ids: torch.Tensor  # [size * blocks] flattened block table slice (device)
+    lens: torch.Tensor  # [size] context lengths (device)
+
+
+def _group_decodes(lens: list[int]) -> list[list[int]] | None:
+    """Decode indices split into groups of similar length, or None for one group in batch order."""
+    count = min(MAX_DECODE_GROUPS, len(lens) // MIN_DECODE_GROUP)
+    if count < 2:
+        return None
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    bounds = [len(order) * g // count for g in range(count + 1)]
+    groups = [order[bounds[g] : bounds[g + 1]] for g in range(count)]
+    padded = sum(len(group) * lens[group[-1]] for group in groups)
+    # Not worth the extra calls when lengths are already uniform.
+    return groups if padded < 0.85 * len(lens) * max(lens) else None
+
+
 @dataclass
 class AttentionPlan:
     slot_mapping: torch.Tensor
     block_size: int
     num_decodes: int
-    decode_block_ids: torch.Tensor | None  # [num_decodes * blocks] flattened, padded to the longest decode
-    decode_blocks: int
-    decode_lens: torch.Tensor | None  # [num_decodes] on the device
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     workspace: GatherWorkspace
     _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
@@ -88,11 +117,27 @@ class AttentionPlan:
     ) -> AttentionPlan:
         qsl, lens = md.query_start_loc_list, md.seq_lens_list
         num_decodes = md.num_decodes
-        decode_ids, decode_lens, decode_blocks = None, None, 0
+        decode_groups = []
         if num_decodes:
-            decode_blocks = _cdiv(max(lens[:num_decodes]), block_size)
-            decode_ids = md.block_tables[:num_decodes, :decode_blocks].reshape(-1).to(device)
-            decode_lens = md.seq_lens[:num_decodes].to(device, non_blocking=True)
+            groups = _group_decodes(lens[:num_decodes])
+            for group in groups or [list(range(num_decodes))]:
+                blocks = _cdiv(max(lens[i] for i in group), block_size)
+                if groups is None:
+                    rows, table, group_lens = None, md.block_tables[:num_decodes], md.seq_lens[:num_decodes]
+                else:
+                    index = torch.tensor(group, dtype=torch.int64)
+                    table = md.block_tables.index_select(0, index.to(md.block_tables.device))
+                    group_lens = md.seq_lens.index_select(0, index)
+                    rows = index.to(device, non_blocking=True)
+                decode_groups.append(
+                    DecodeGroup(
+                        rows=rows,
+                        size=len(group),
+                        blocks=blocks,
+                        block_ids=table[:, :blocks].reshape(-1).to(device, non_blocking=True),
+                        lens=group_lens.to(device, non_blocking=True),
+                    )
+                )
         prefills = []
         for i in range(num_decodes, len(lens)):
             q_start, q_end, context = qsl[i], qsl[i + 1], lens[i]
@@ -106,20 +151,17 @@ class AttentionPlan:
             slot_mapping=md.slot_mapping.to(device),
             block_size=block_size,
             num_decodes=num_decodes,
-            decode_block_ids=decode_ids,
-            decode_blocks=decode_blocks,
-            decode_lens=decode_lens,
+            decode_groups=decode_groups,
             prefills=prefills,
             workspace=workspace,
         )
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+    def decode_mask(self, index: int, group: DecodeGroup, sliding_window: int | None) -> torch.Tensor:
         """[D, 1, 1, L] bool: key l of decode d is visible iff l < len_d (and inside the window)."""
-        key = ("decode", sliding_window)
+        key = ("decode", index, sliding_window)
         if key not in self._masks:
-            assert self.decode_lens is not None
-            lens = self.decode_lens[:, None]
-            keys = torch.arange(self.decode_blocks * self.block_size, device=lens.device)[None, :]
+            lens = group.lens[:, None]
+            keys = torch.arange(group.blocks * self.block_size, device=lens.device)[None, :]
             mask = keys < lens
             if sliding_window is not None:
                 mask &= keys >= lens - sliding_window
@@ -134,10 +176,12 @@ class AttentionPlan:
         key = ("prefill", index, sliding_window)
         if key not in self._masks:
             device = self.slot_mapping.device
-            query_pos = torch.arange(span.query_len, device=device)[:, None] + (span.context_len - span.query_len)
+            query_pos = torch.arange(span.query_len, device=device)[:, None] + (
+                span.context_len - span.query_len
+            )
             keys = torch.arange(span.context_len, device=device)[None, :]
             mask = keys <= query_pos
-            if window_matters:
+            if sliding_window is not None and window_matters:
                 mask &= keys > query_pos - sliding_window
             self._masks[key] = mask
         return self._masks[key]
@@ -180,19 +224,24 @@ class Attention(nn.Module):
         slots[1].index_copy_(0, plan.slot_mapping, v)
 
         out = torch.empty_like(q)
-        if plan.num_decodes:
-            out[: plan.num_decodes] = self._decode(q[: plan.num_decodes], kv_cache, plan)
+        for index, group in enumerate(plan.decode_groups):
+            if group.rows is None:
+                out[: group.size] = self._decode(q[: group.size], index, group, kv_cache, plan)
+            else:
+                attended = self._decode(q.index_select(0, group.rows), index, group, kv_cache, plan)
+                out.index_copy_(0, group.rows, attended)
         for index, span in enumerate(plan.prefills):
             out[span.q_start : span.q_end] = self._prefill(index, span, q, k, v, kv_cache, plan)
         return out.view(n, self.num_heads * self.head_dim)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, index: int, group: DecodeGroup, kv_cache: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
         d, kvh, hd = q.shape[0], self.num_kv_heads, self.head_dim
-        assert plan.decode_block_ids is not None
-        length = plan.decode_blocks * plan.block_size
+        length = group.blocks * plan.block_size
         gathered = plan.workspace.take(2 * d * length * kvh * hd, kv_cache.dtype, kv_cache.device)
-        gathered = gathered.view(2, d * plan.decode_blocks, plan.block_size, kvh, hd)
-        torch.index_select(kv_cache, 1, plan.decode_block_ids, out=gathered)
+        gathered = gathered.view(2, d * group.blocks, plan.block_size, kvh, hd)
+        torch.index_select(kv_cache, 1, group.block_ids, out=gathered)
         keys_values = gathered.view(2, d, length, kvh, hd).transpose(2, 3)  # [2, D, kvh, L, hd]
         # The `group` query heads of one KV head act as that head's query rows: same keys, same mask.
         grouped_q = q.view(d, kvh, self.group, hd)
@@ -200,7 +249,7 @@ class Attention(nn.Module):
             grouped_q,
             keys_values[0],
             keys_values[1],
-            attn_mask=plan.decode_mask(self.sliding_window),
+            attn_mask=plan.decode_mask(index, group, self.sliding_window),
             scale=self.scale,
         )
         return attended.reshape(d, self.num_heads, hd)

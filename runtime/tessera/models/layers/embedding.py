@@ -33,12 +33,16 @@ class VocabParallelEmbedding(nn.Module):
         self.per_partition = self.num_embeddings_padded // tp_size
         self.vocab_start = tp_rank * self.per_partition
         self.vocab_end = self.vocab_start + self.per_partition
-        self.weight = nn.Parameter(torch.empty(self.per_partition, embedding_dim, dtype=params_dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.per_partition, embedding_dim, dtype=params_dtype), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.num_embeddings or loaded.shape[1] != param.shape[1]:
-            raise ValueError(f"embedding of shape {tuple(loaded.shape)} does not fit vocab {self.num_embeddings}")
+            raise ValueError(
+                f"embedding of shape {tuple(loaded.shape)} does not fit vocab {self.num_embeddings}"
+            )
         start = min(self.vocab_start, self.num_embeddings)
         end = min(self.vocab_end, self.num_embeddings)
         param.data[: end - start].copy_(loaded[start:end])

@@ -28,7 +28,9 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
+        )
     param.copy_(loaded)
 
 

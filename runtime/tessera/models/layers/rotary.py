@@ -53,7 +53,10 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inverse_frequencies(head_dim, params, max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # [max_position, head_dim]: cos in the first half, sin in the second; not a checkpoint tensor.
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype), persistent=False)
+        self.cos_sin: torch.Tensor
+        self.register_buffer(
+            "cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype), persistent=False
+        )
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, shaped [N, 1, head_dim/2] to broadcast over heads."""

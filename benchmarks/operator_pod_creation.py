@@ -1,0 +1,211 @@
+"""Operator control-plane speed: time from `kubectl apply` to every rank pod created.
+
+Runs on the genuine local control plane (etcd + kube-apiserver + kube-controller-manager
+from `e2e/`), with the operator as a subprocess (`tessera-operator`), and measures:
+
+  * one InferenceCluster of 2 replicas x 2 stages x 2 TP ranks (8 pods);
+  * 100 such clusters applied at once (800 pods); target: under 30 s.
+
+Pod creations are timed from a watch on the API server (the moment each ADDED event
+arrives), not by polling. Writes benchmarks/results/operator_pod_creation.json + .png.
+
+    .venv/bin/python benchmarks/operator_pod_creation.py [--clusters 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from e2e.local_cluster import LocalCluster  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+OPERATOR = Path(sys.executable).parent / "tessera-operator"
+PODS_PER_CLUSTER = 8  # 2 replicas x 2 stages x 2 TP ranks
+
+
+class PodWatch:
+    """Counts pod ADDED events in a namespace; records when each arrived."""
+
+    def __init__(self, cluster: LocalCluster, ns: str) -> None:
+        self.cluster, self.ns = cluster, ns
+        self.times: list[float] = []
+        self.seen: set[str] = set()
+        self._stop = False
+        listing = cluster.api("GET", f"/api/v1/namespaces/{ns}/pods")
+        self._rv = listing["metadata"]["resourceVersion"]
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        url = f"{self.cluster.api_url}/api/v1/namespaces/{self.ns}/pods?watch=1&resourceVersion={self._rv}"
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.cluster.admin_token}"})
+        context = ssl.create_default_context(cafile=self.cluster.ca_file)
+        with urllib.request.urlopen(request, context=context, timeout=600) as stream:
+            for line in stream:
+                if self._stop:
+                    return
+                event = json.loads(line)
+                name = event["object"]["metadata"]["name"]
+                if event["type"] == "ADDED" and name not in self.seen:
+                    self.seen.add(name)
+                    self.times.append(time.monotonic())
+
+    def wait(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.times) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(self.times)}/{count} pods created")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._stop = True
+
+
+def manifests(prefix: str, count: int) -> str:
+    docs = [
+        {
+            "apiVersion": "tessera.dev/v1alpha1",
+            "kind": "InferenceCluster",
+            "metadata": {"name": f"{prefix}{i}"},
+            "spec": {
+                "model": {"source": "smollm2-135m-instruct"},
+                "parallelism": {"tensor": 2, "pipeline": 2},
+                "replicas": 2,
+            },
+        }
+        for i in range(count)
+    ]
+    return yaml.safe_dump_all(docs)
+
+
+def measure(cluster: LocalCluster, ns: str, prefix: str, count: int, timeout: float) -> dict[str, Any]:
+    watch = PodWatch(cluster, ns)
+    text = manifests(prefix, count)
+    start = time.monotonic()
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=text)
+    applied = time.monotonic() - start
+    expected = count * PODS_PER_CLUSTER
+    watch.wait(expected, timeout)
+    watch.stop()
+    times = [t - start for t in watch.times[:expected]]
+    seconds = times[-1]
+    return {
+        "clusters": count,
+        "pods": expected,
+        "seconds_to_all_pods_created": round(seconds, 3),
+        "pods_per_second": round(expected / seconds, 1),
+        "kubectl_apply_seconds": round(applied, 3),
+        "first_pod_seconds": round(times[0], 3),
+        "creation_curve": [round(t, 3) for t in times],
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for run in results["runs"]:
+        curve = run["creation_curve"]
+        ax.step(
+            curve,
+            range(1, len(curve) + 1),
+            where="post",
+            label=f"{run['clusters']} cluster(s): {run['pods_per_second']} pods/s",
+        )
+    ax.axvline(30, color="red", linestyle="--", linewidth=1, label="target: 800 pods < 30 s")
+    ax.set_xlabel("seconds since `kubectl apply`")
+    ax.set_ylabel("rank pods created")
+    ax.set_title("tessera-operator: pod creation on a genuine kube-apiserver (2 cores)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--clusters", type=int, default=100)
+    parser.add_argument("--workers", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=96)
+    parser.add_argument("--out", type=Path, default=RESULTS / "operator_pod_creation.json")
+    args = parser.parse_args()
+
+    with LocalCluster() as cluster:
+        cluster.kubectl("apply", "-f", str(REPO / "crds"))
+        cluster.kubectl("wait", "--for", "condition=established", "crd/inferenceclusters.tessera.dev")
+        ns = "bench"
+        cluster.kubectl("create", "namespace", ns)
+        log = open(os.devnull, "wb")  # noqa: SIM115 - lives as long as the subprocess
+        operator = subprocess.Popen(
+            [
+                str(OPERATOR),
+                "--namespace",
+                ns,
+                "--kubeconfig",
+                cluster.kubeconfig,
+                "--liveness",
+                "",
+                "--workers",
+                str(args.workers),
+                "--concurrency",
+                str(args.concurrency),
+                "--resync-seconds",
+                "60",
+            ],
+            env={**cluster.env, "PYTHONUNBUFFERED": "1"},
+            stdout=log,
+            stderr=log,
+        )
+        try:
+            time.sleep(3)  # the operator's watches start
+            single = measure(cluster, ns, "one-", 1, timeout=60)
+            many = measure(cluster, ns, "many-", args.clusters, timeout=300)
+        finally:
+            operator.terminate()
+            operator.wait(timeout=30)
+            log.close()
+
+    results: dict[str, Any] = {
+        "benchmark": "operator_pod_creation",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform()},
+        "kubernetes": "kube-apiserver v1.20.2 (Debian source build), etcd 3.4, loopback",
+        "operator": {"workers": args.workers, "concurrency": args.concurrency},
+        "target": "800 pods created in < 30 s",
+        "runs": [single, many],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+    for run in results["runs"]:
+        print(
+            f"{run['clusters']:>4} cluster(s), {run['pods']:>4} pods: "
+            f"{run['seconds_to_all_pods_created']:.2f} s, {run['pods_per_second']} pods/s "
+            f"(kubectl apply itself {run['kubectl_apply_seconds']:.2f} s)"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+{{- define "tessera.fullname" -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tessera.labels" -}}
+app.kubernetes.io/name: tessera-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "tessera.selectorLabels" -}}
+app.kubernetes.io/name: tessera-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tessera.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tessera.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tessera.namespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- join "," .Values.watch.namespaces -}}
+{{- else -}}
+{{- .Release.Namespace -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What the operator does: watch its resources, own pods and Services, report status and Events. */}}
+{{- define "tessera.rules" -}}
+- apiGroups: ["tessera.dev"]
+  resources: ["inferenceclusters"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["tessera.dev"]
+  resources: ["inferenceclusters/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["tessera.dev"]
+  resources: ["inferenceclusters/finalizers"]
+  verbs: ["update"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "update", "delete"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}

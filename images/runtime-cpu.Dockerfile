@@ -1,0 +1,26 @@
+# The Tessera runtime for CPU nodes (gloo). Build from the repository root:
+#   docker build -f images/runtime-cpu.Dockerfile -t tessera/runtime-cpu:0.1.0 .
+FROM python:3.11.11-slim-bookworm
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONHASHSEED=0 \
+    PIP_NO_CACHE_DIR=1 \
+    HOME=/home/tessera \
+    PATH=/opt/venv/bin:$PATH
+RUN groupadd --gid 1000 tessera \
+    && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/tessera --shell /usr/sbin/nologin tessera \
+    && python -m venv /opt/venv \
+    && pip install --upgrade pip==24.3.1 \
+    && pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+WORKDIR /opt/tessera
+COPY pyproject.toml README.md ./
+COPY runtime ./runtime
+COPY operator ./operator
+# The project itself; its dependency versions are pinned in pyproject.toml.
+# hadolint ignore=DL3013
+RUN pip install ".[runtime]"
+USER 1000:1000
+WORKDIR /home/tessera
+EXPOSE 8000 29500 29600
+# The operator sets the command per pod: `tessera serve ...` (leader) or `tessera worker ...`.
+CMD ["tessera", "--help"]

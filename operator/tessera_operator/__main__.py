@@ -1,0 +1,73 @@
+"""`tessera-operator`: run the InferenceCluster operator (namespace-scoped or cluster-wide)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import kopf
+
+from tessera_operator import handlers, webhook  # noqa: F401  (importing registers the kopf handlers)
+from tessera_operator.config import CONFIG
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tessera-operator", description=__doc__)
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster")
+    parser.add_argument("--kubeconfig", default=CONFIG.kubeconfig, help="default: $KUBECONFIG or in-cluster")
+    parser.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz", help="health endpoint URL ('' to disable)"
+    )
+    parser.add_argument("--workers", type=int, default=CONFIG.workers, help="clusters reconciled at once")
+    parser.add_argument("--concurrency", type=int, default=CONFIG.concurrency, help="API requests in flight")
+    parser.add_argument("--resync-seconds", type=float, default=CONFIG.resync_seconds)
+    parser.add_argument("--webhook-port", type=int, default=CONFIG.webhook_port, help="serve the webhook")
+    parser.add_argument("--webhook-addr", default=CONFIG.webhook_addr)
+    parser.add_argument("--webhook-host", default=CONFIG.webhook_host, help="hostname the API server calls")
+    parser.add_argument("--webhook-cert-dir", default=CONFIG.webhook_cert_dir, help="tls.crt + tls.key")
+    parser.add_argument(
+        "--webhook-managed",
+        default=CONFIG.webhook_managed,
+        help="name of a ValidatingWebhookConfiguration the operator creates and keeps current",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not args.verbose:  # kopf logs every handled event at INFO; our own log says what changed
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    CONFIG.kubeconfig = args.kubeconfig
+    CONFIG.workers = args.workers
+    CONFIG.concurrency = args.concurrency
+    CONFIG.resync_seconds = args.resync_seconds
+    CONFIG.webhook_port = args.webhook_port
+    CONFIG.webhook_addr = args.webhook_addr
+    CONFIG.webhook_host = args.webhook_host
+    CONFIG.webhook_cert_dir = args.webhook_cert_dir
+    CONFIG.webhook_managed = args.webhook_managed
+    if CONFIG.webhook_port is not None:
+        webhook.register()
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's watches use the same identity as our client
+    kopf.run(
+        standalone=True,  # one replica (Recreate strategy); no peering objects needed
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace,
+        liveness_endpoint=args.liveness or None,
+    )
+
+
+if __name__ == "__main__":
+    main()

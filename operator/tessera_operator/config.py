@@ -1,0 +1,43 @@
+"""Operator settings: command-line flags of `tessera-operator`, or environment variables.
+
+The environment form serves `kopf run -m tessera_operator` and tests (short resyncs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def _int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+@dataclass
+class OperatorConfig:
+    resync_seconds: float = field(default_factory=lambda: _float("TESSERA_OPERATOR_RESYNC_SECONDS", 30.0))
+    workers: int = field(default_factory=lambda: _int("TESSERA_OPERATOR_WORKERS", 16))
+    # Concurrent API requests: the API server's default in-flight limit is 200 mutating.
+    concurrency: int = field(default_factory=lambda: _int("TESSERA_OPERATOR_CONCURRENCY", 64))
+    kubeconfig: str | None = field(default_factory=lambda: os.environ.get("KUBECONFIG") or None)
+    webhook_port: int | None = field(
+        default_factory=lambda: (
+            int(os.environ["TESSERA_WEBHOOK_PORT"]) if os.environ.get("TESSERA_WEBHOOK_PORT") else None
+        )
+    )
+    webhook_addr: str = field(default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_ADDR", "0.0.0.0"))
+    webhook_host: str | None = field(default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_HOST") or None)
+    webhook_cert_dir: str | None = field(
+        default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_CERT_DIR") or None
+    )
+    # Name of the ValidatingWebhookConfiguration kopf keeps up to date (None: managed elsewhere, e.g. Helm).
+    webhook_managed: str | None = field(
+        default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_MANAGED") or None
+    )
+
+
+CONFIG = OperatorConfig()

@@ -1,0 +1,75 @@
+"""kopf wiring, deliberately thin: events only enqueue a cluster key; the work queue reconciles.
+
+Handlers are coroutines: kopf runs plain functions in a thread pool, and the work queue
+belongs to the event loop. No kopf state-machine handlers (on.create/update with progress annotations) and no daemons
+(which would add finalizers): every pass is level-based, so events are hints, and the
+periodic resync catches anything a missed event would hide. Deletion is left to the
+garbage collector through ownerReferences.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from tessera_operator import api, naming, webhook
+from tessera_operator.config import CONFIG
+from tessera_operator.kube import KubeClient
+from tessera_operator.reconcile import Reconciler
+from tessera_operator.workqueue import WorkQueue
+
+if CONFIG.webhook_port is not None:  # `kopf run -m tessera_operator.handlers` configured by environment
+    webhook.register()
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.posting.enabled = False  # our own Events say what happened; kopf's would repeat logs
+    settings.watching.server_timeout = 300
+    settings.networking.connect_timeout = 10
+    webhook.configure(settings, CONFIG)
+    client = KubeClient.from_environment(CONFIG.kubeconfig, concurrency=CONFIG.concurrency)
+    reconciler = Reconciler(client, resync_seconds=CONFIG.resync_seconds)
+
+    async def handle(key: Any) -> float | None:
+        namespace, name = key
+        return await reconciler.reconcile(namespace, name)
+
+    queue = WorkQueue(handle, workers=CONFIG.workers)
+    queue.start()
+    memo["client"], memo["queue"] = client, queue
+    logging.getLogger("tessera_operator").info(
+        "started: %d workers, %d concurrent requests, resync %.0fs",
+        CONFIG.workers,
+        CONFIG.concurrency,
+        CONFIG.resync_seconds,
+    )
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    await memo["queue"].stop()
+    await memo["client"].close()
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)  # type: ignore[arg-type]
+async def cluster_changed(
+    event: dict[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any
+) -> None:
+    queue: WorkQueue = memo["queue"]
+    if event.get("type") == "DELETED":
+        queue.forget((namespace, name))
+    else:
+        queue.add((namespace, name))
+
+
+@kopf.on.event("", "v1", "pods", labels={naming.CLUSTER_LABEL: kopf.PRESENT})  # type: ignore[arg-type]
+async def pod_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    memo["queue"].add((namespace, labels[naming.CLUSTER_LABEL]))
+
+
+@kopf.on.event("", "v1", "services", labels={naming.CLUSTER_LABEL: kopf.PRESENT})  # type: ignore[arg-type]
+async def service_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    memo["queue"].add((namespace, labels[naming.CLUSTER_LABEL]))

@@ -1,0 +1,151 @@
+"""A small asyncio Kubernetes client on aiohttp: the few verbs the reconciler needs, fast.
+
+Why not the `kubernetes` package's client: it is synchronous (a thread per request), and
+creating hundreds of pods at once is exactly where concurrency matters. Credentials come
+from the `kubernetes` package's own kubeconfig / in-cluster loaders, so every auth form it
+supports (tokens, client certificates, CA files) works here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+RETRYABLE = {429, 500, 502, 503, 504}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: dict[str, Any] | str) -> None:
+        self.status = status
+        self.body = body
+        message = body.get("message", "") if isinstance(body, dict) else body
+        super().__init__(f"{status}: {message}")
+
+
+class KubeClient:
+    def __init__(
+        self,
+        server: str,
+        token: str | None,
+        ssl_context: ssl.SSLContext | bool,
+        token_file: Path | None = None,
+        concurrency: int = 64,
+    ) -> None:
+        self.server = server.rstrip("/")
+        self._token = token
+        self._token_file = token_file
+        self._token_read = 0.0
+        self._ssl = ssl_context
+        self._concurrency = concurrency
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_environment(cls, kubeconfig: str | None = None, concurrency: int = 64) -> KubeClient:
+        """kubeconfig (argument, $KUBECONFIG, ~/.kube/config) or, inside a pod, the ServiceAccount."""
+        from kubernetes import client as k8s_client
+        from kubernetes import config as k8s_config
+
+        cfg = k8s_client.Configuration()
+        token_file = None
+        try:
+            k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        except k8s_config.ConfigException:
+            k8s_config.load_incluster_config(client_configuration=cfg)
+            token_file = SA_TOKEN  # bound tokens rotate: re-read the file now and then
+        auth = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken") or ""
+        token = auth.removeprefix("Bearer ").strip() or None
+        context: ssl.SSLContext | bool
+        if cfg.verify_ssl:
+            context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
+            if cfg.cert_file:
+                context.load_cert_chain(cfg.cert_file, cfg.key_file)
+        else:
+            context = False
+        return cls(cfg.host, token, context, token_file=token_file, concurrency=concurrency)
+
+    def _headers(self) -> dict[str, str]:
+        if self._token_file is not None and time.monotonic() - self._token_read > 60:
+            self._token = self._token_file.read_text().strip()
+            self._token_read = time.monotonic()
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+
+    async def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._concurrency, ssl=self._ssl)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=60)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        session = await self.session()
+        data = None if body is None else json.dumps(body)
+        for attempt in range(5):
+            headers = {**self._headers(), "Accept": "application/json"}
+            if data is not None:
+                headers["Content-Type"] = content_type
+            async with session.request(
+                method, self.server + path, data=data, params=params, headers=headers
+            ) as response:
+                text = await response.text()
+                if response.status < 400:
+                    return json.loads(text) if text else {}
+                try:
+                    payload: dict[str, Any] | str = json.loads(text)
+                except ValueError:
+                    payload = text
+                if response.status in RETRYABLE and attempt < 4:
+                    retry_after = float(response.headers.get("Retry-After", "0") or 0)
+                    await asyncio.sleep(max(retry_after, 0.2 * 2**attempt))
+                    continue
+                raise ApiError(response.status, payload)
+        raise AssertionError("unreachable")
+
+    async def get(self, path: str) -> dict[str, Any]:
+        return await self.request("GET", path)
+
+    async def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        return list((await self.request("GET", path, params=params)).get("items", []))
+
+    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.request("POST", path, body=body)
+
+    async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self.request("PATCH", path, body=body, content_type="application/merge-patch+json")
+
+    async def delete(self, path: str, *, uid: str | None = None) -> None:
+        """Delete; with `uid` only that incarnation (a precondition), so a recreated object survives."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        await self.request("DELETE", path, body=body)
+
+
+def core_path(namespace: str, plural: str, name: str | None = None) -> str:
+    path = f"/api/v1/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+def custom_path(group: str, version: str, namespace: str, plural: str, name: str | None = None) -> str:
+    path = f"/apis/{group}/{version}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path

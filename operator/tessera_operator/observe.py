@@ -1,0 +1,131 @@
+"""Read the pods that exist into per-group facts: complete? started? failed (and why)? leader Ready?
+
+Pure: plain pod dicts in, frozen facts out. Pods being deleted count as absent; pods that do not
+belong to this cluster's naming scheme are reported as strays for removal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera_operator import naming
+
+GROUP_SIZE_ANNOTATION = "tessera.dev/group-size"
+
+
+@dataclass
+class GroupObservation:
+    index: int
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    terminating: list[str] = field(default_factory=list)
+
+    @property
+    def revisions(self) -> set[str]:
+        return {p["metadata"]["labels"].get(naming.REVISION_LABEL, "") for p in self.pods.values()}
+
+    @property
+    def revision(self) -> str | None:
+        """The group's revision when all its pods agree, else None."""
+        revisions = self.revisions
+        return next(iter(revisions)) if len(revisions) == 1 else None
+
+    @property
+    def expected_size(self) -> int | None:
+        sizes = {p["metadata"].get("annotations", {}).get(GROUP_SIZE_ANNOTATION) for p in self.pods.values()}
+        if len(sizes) != 1:
+            return None
+        size = next(iter(sizes))
+        return int(size) if size and size.isdigit() else None
+
+    @property
+    def complete(self) -> bool:
+        return self.revision is not None and self.expected_size == len(self.pods)
+
+    @property
+    def started(self) -> bool:
+        """Some rank already runs (or ran): it joined a rendezvous that a missing rank has broken."""
+        return any(
+            p.get("status", {}).get("phase") in ("Running", "Succeeded", "Failed") for p in self.pods.values()
+        )
+
+    @property
+    def leader(self) -> dict[str, Any] | None:
+        for pod in self.pods.values():
+            if pod["metadata"]["labels"].get(naming.ROLE_LABEL) == naming.LEADER:
+                return pod
+        return None
+
+    @property
+    def leader_ready(self) -> bool:
+        leader = self.leader
+        if leader is None:
+            return False
+        conditions = leader.get("status", {}).get("conditions") or []
+        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+    @property
+    def all_running(self) -> bool:
+        return bool(self.pods) and all(
+            p.get("status", {}).get("phase") == "Running" for p in self.pods.values()
+        )
+
+    def failure(self) -> str | None:
+        """Why this group must restart, or None. A serving rank that exits at all has failed."""
+        for name in sorted(self.pods):
+            reason = pod_failure(self.pods[name])
+            if reason:
+                return f"{name}: {reason}"
+        size = self.expected_size
+        if self.started and size is not None and len(self.pods) < size:
+            return f"PodDeleted: {size - len(self.pods)} of {size} pods missing"
+        return None
+
+
+def pod_failure(pod: dict[str, Any]) -> str | None:
+    status = pod.get("status", {})
+    phase = status.get("phase")
+    for cs in status.get("containerStatuses") or []:
+        terminated = (cs.get("state") or {}).get("terminated")
+        if terminated and terminated.get("exitCode", 0) != 0:
+            why = terminated.get("reason") or "Error"
+            return f"ContainerTerminated: {cs.get('name')} {why} (exit code {terminated.get('exitCode')})"
+    if phase == "Failed":
+        return f"PodFailed: {status.get('reason') or status.get('message') or 'Failed'}"
+    if phase == "Succeeded":
+        return "PodExited: a rank exited"
+    return None
+
+
+@dataclass
+class Observation:
+    groups: dict[int, GroupObservation]
+    strays: list[str]  # our label, but not a pod this cluster would create: removed
+
+
+def observe(cluster: str, uid: str, pods: Iterable[dict[str, Any]]) -> Observation:
+    groups: dict[int, GroupObservation] = {}
+    strays: list[str] = []
+    for pod in pods:
+        meta = pod["metadata"]
+        labels = meta.get("labels") or {}
+        owners = [o for o in meta.get("ownerReferences") or [] if o.get("controller")]
+        try:
+            group = int(labels[naming.GROUP_LABEL])
+            stage = int(labels[naming.STAGE_LABEL])
+            tp = int(labels[naming.TP_RANK_LABEL])
+        except (KeyError, ValueError):
+            strays.append(meta["name"])
+            continue
+        if meta["name"] != naming.pod_name(cluster, group, stage, tp) or [o.get("uid") for o in owners] != [
+            uid
+        ]:
+            strays.append(meta["name"])
+            continue
+        obs = groups.setdefault(group, GroupObservation(group))
+        if meta.get("deletionTimestamp"):
+            obs.terminating.append(meta["name"])
+        else:
+            obs.pods[meta["name"]] = pod
+    return Observation(groups, strays)

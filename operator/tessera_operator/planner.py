@@ -1,0 +1,189 @@
+"""One reconciliation decision, pure: (spec, revision, observed pods, last status, now) -> a Plan.
+
+Level-based: the plan depends only on what exists now and on the group state stored in the
+object's status (restart counts, backoff deadlines, groups being replaced), never on which
+event woke the operator. Running it twice on the same inputs gives the same plan, so an
+operator restart creates no duplicates and repairs whatever drifted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tessera_operator.api import GroupStatus, InferenceClusterSpec
+from tessera_operator.observe import GroupObservation, Observation
+from tessera_operator.restart import record_failure, seconds_until_restart
+from tessera_operator.rollout import GroupState, choose_replacements, surge_count
+from tessera_operator.timeutil import to_rfc3339
+
+WAIT_FOR_DELETION_SECONDS = 1.0
+
+
+@dataclass
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    create_groups: list[int] = field(default_factory=list)  # create this group's missing pods
+    delete_pods: list[str] = field(default_factory=list)
+    groups: list[GroupStatus] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+    surge: int = 0
+    outdated: int = 0
+
+    def requeue(self, seconds: float) -> None:
+        self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
+
+
+def _state(index: int, obs: GroupObservation | None, revision: str, prior: GroupStatus | None) -> GroupState:
+    exists = obs is not None and bool(obs.pods)
+    updated = not exists or (obs is not None and obs.revision == revision)
+    ready = exists and obs is not None and obs.complete and obs.leader_ready and obs.failure() is None
+    if prior is not None and prior.phase in ("BackingOff", "Updating"):
+        ready = False
+    return GroupState(index=index, exists=exists, updated=updated, ready=ready)
+
+
+def plan(
+    spec: InferenceClusterSpec,
+    revision: str,
+    observation: Observation,
+    prior: dict[int, GroupStatus],
+    now: float,
+) -> Plan:
+    result = Plan(delete_pods=list(observation.strays))
+    replicas = spec.replicas
+    groups = observation.groups
+
+    ordinal = [_state(i, groups.get(i), revision, prior.get(i)) for i in range(replicas)]
+    existing_surge = sorted(i for i, g in groups.items() if i >= replicas and g.pods)
+    result.surge = surge_count(replicas, spec.rollout.max_surge, ordinal, bool(existing_surge))
+    desired = set(range(replicas + result.surge))
+    surge = [
+        _state(i, groups.get(i), revision, prior.get(i)) for i in range(replicas, replicas + result.surge)
+    ]
+    replacements = set(choose_replacements(replicas, spec.rollout.max_unavailable, ordinal, surge))
+    result.outdated = sum(1 for g in ordinal if g.exists and not g.updated)
+
+    for index in sorted(desired | set(groups) | set(prior)):
+        obs = groups.get(index) or GroupObservation(index)
+        if index not in desired:
+            if obs.pods:
+                result.delete_pods += sorted(obs.pods)
+                kind = "surge group" if index < replicas + spec.rollout.max_surge else "group"
+                result.events.append(Event("Normal", "GroupRemoved", f"removing {kind} {index}"))
+            continue
+        status = prior.get(index) or GroupStatus(index=index, revision=revision)
+        result.groups.append(_plan_group(spec, revision, obs, status, index in replacements, now, result))
+    return result
+
+
+def _plan_group(
+    spec: InferenceClusterSpec,
+    revision: str,
+    obs: GroupObservation,
+    status: GroupStatus,
+    replace: bool,
+    now: float,
+    result: Plan,
+) -> GroupStatus:
+    index = obs.index
+    if status.phase == "BackingOff":
+        wait = seconds_until_restart(status, now)
+        if wait > 0 or obs.pods or obs.terminating:
+            result.delete_pods += sorted(obs.pods)
+            result.requeue(wait if wait > 0 else WAIT_FOR_DELETION_SECONDS)
+            return status.model_copy(update={"pods": len(obs.pods), "ready": False})
+        result.create_groups.append(index)
+        result.events.append(
+            Event(
+                "Normal",
+                "GroupRestarted",
+                f"recreating group {index} after {status.backoff_seconds:g}s backoff (restart {status.restarts})",
+            )
+        )
+        return status.model_copy(
+            update={"phase": "Pending", "revision": revision, "pods": 0, "next_restart_time": None}
+        )
+
+    replacing = replace or (status.phase == "Updating" and obs.revision != revision)
+    if replacing:
+        if obs.pods and obs.revision != revision:
+            result.delete_pods += sorted(obs.pods)
+            if replace and status.phase != "Updating":
+                result.events.append(
+                    Event(
+                        "Normal",
+                        "GroupUpdating",
+                        f"replacing group {index}: revision {obs.revision} -> {revision}",
+                    )
+                )
+            return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
+        if not obs.pods:
+            if not obs.terminating:
+                result.create_groups.append(index)
+            else:
+                result.requeue(WAIT_FOR_DELETION_SECONDS)
+            return status.model_copy(
+                update={
+                    "phase": "Updating",
+                    "revision": revision,
+                    "pods": 0,
+                    "ready": False,
+                    "ready_since": None,
+                }
+            )
+
+    failure = obs.failure()
+    if failure is not None:
+        failed = record_failure(status, failure, now, spec.restart_policy)
+        result.delete_pods += sorted(obs.pods)
+        result.requeue(failed.backoff_seconds or 0.0)
+        result.events.append(
+            Event(
+                "Warning",
+                "GroupFailed",
+                f"group {index} failed ({failure}); restart {failed.restarts} in {failed.backoff_seconds:g}s",
+            )
+        )
+        return failed.model_copy(update={"pods": len(obs.pods)})
+
+    if obs.pods and obs.revision is None:
+        # Mixed revisions inside one group can never rendezvous: start it over at the current one.
+        result.delete_pods += sorted(obs.pods)
+        return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
+    if not obs.complete:
+        if obs.pods and obs.revision != revision:
+            result.delete_pods += sorted(obs.pods)  # a partial group of an old revision: recreate it
+            return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
+        result.create_groups.append(index)
+        if obs.terminating:
+            result.requeue(WAIT_FOR_DELETION_SECONDS)
+        return status.model_copy(
+            update={
+                "phase": "Pending",
+                "revision": revision,
+                "pods": len(obs.pods),
+                "ready": False,
+                "ready_since": None,
+            }
+        )
+
+    ready = obs.leader_ready
+    phase = "Ready" if ready else ("Starting" if obs.all_running else "Pending")
+    ready_since = (status.ready_since or to_rfc3339(now)) if ready else None
+    return status.model_copy(
+        update={
+            "phase": phase,
+            "revision": obs.revision or revision,
+            "pods": len(obs.pods),
+            "ready": ready,
+            "ready_since": ready_since,
+            "next_restart_time": None,
+        }
+    )

@@ -1,0 +1,44 @@
+"""Whole-group restart with exponential backoff per group (never a restart storm).
+
+A group that failed is torn down at once and recreated no earlier than `nextRestartTime`;
+the delay doubles with each consecutive failure up to `backoffMaxSeconds`, and starts from
+the base again once the group has stayed Ready for `resetAfterSeconds`. All of it lives in
+the object's status, so an operator restart neither forgets a backoff nor restarts early.
+"""
+
+from __future__ import annotations
+
+from tessera_operator.api import GroupStatus, RestartPolicySpec
+from tessera_operator.timeutil import from_rfc3339, to_rfc3339
+
+
+def backoff_seconds(restarts: int, policy: RestartPolicySpec) -> float:
+    """Delay before restart number `restarts` (1-based)."""
+    exponent = max(restarts - 1, 0)
+    return float(min(policy.backoff_base_seconds * (2.0**exponent), policy.backoff_max_seconds))
+
+
+def record_failure(group: GroupStatus, reason: str, now: float, policy: RestartPolicySpec) -> GroupStatus:
+    ready_since = from_rfc3339(group.ready_since)
+    restarts = group.restarts
+    if ready_since is not None and now - ready_since >= policy.reset_after_seconds:
+        restarts = 0  # it ran well for long enough: this failure is not part of a crash loop
+    restarts += 1
+    delay = backoff_seconds(restarts, policy)
+    return group.model_copy(
+        update={
+            "phase": "BackingOff",
+            "ready": False,
+            "restarts": restarts,
+            "last_failure": reason,
+            "last_failure_time": to_rfc3339(now),
+            "backoff_seconds": delay,
+            "next_restart_time": to_rfc3339(now + delay),
+            "ready_since": None,
+        }
+    )
+
+
+def seconds_until_restart(group: GroupStatus, now: float) -> float:
+    deadline = from_rfc3339(group.next_restart_time)
+    return 0.0 if deadline is None else max(deadline - now, 0.0)

@@ -1,0 +1,128 @@
+"""The status the operator reports: counts, per-group state and Ready / Progressing / Degraded.
+
+Ready counts only groups whose *leader* passes its readiness probe (rendezvous and a warm-up
+forward pass done): pods merely Running never make a cluster Ready.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tessera_operator import naming
+from tessera_operator.api import Condition, GroupStatus, InferenceClusterSpec, InferenceClusterStatus
+from tessera_operator.planner import Plan
+from tessera_operator.timeutil import to_rfc3339
+
+
+def set_condition(conditions: list[Condition], new: Condition, now: float) -> list[Condition]:
+    """Replace the condition of the same type; keep its transition time when the status is unchanged."""
+    old = next((c for c in conditions if c.type == new.type), None)
+    transition = old.last_transition_time if old is not None and old.status == new.status else to_rfc3339(now)
+    updated = new.model_copy(update={"last_transition_time": transition})
+    return [c for c in conditions if c.type != new.type] + [updated]
+
+
+def _ready(spec: InferenceClusterSpec, ready: int) -> Condition:
+    replicas = spec.replicas
+    if replicas == 0:
+        return Condition(type="Ready", status="False", reason="ScaledToZero", message="replicas is 0")
+    if ready >= replicas:
+        return Condition(
+            type="Ready", status="True", reason="GroupsReady", message=f"{ready}/{replicas} groups ready"
+        )
+    return Condition(
+        type="Ready", status="False", reason="GroupsNotReady", message=f"{ready}/{replicas} groups ready"
+    )
+
+
+def _progressing(spec: InferenceClusterSpec, plan: Plan, updated_ready: int, updated: int) -> Condition:
+    replicas = spec.replicas
+    if plan.outdated or plan.surge:
+        return Condition(
+            type="Progressing",
+            status="True",
+            reason="RollingUpdate",
+            message=f"{updated}/{replicas} groups updated, {plan.outdated} outdated, {plan.surge} surge",
+        )
+    extra = len([g for g in plan.groups if g.index >= replicas])
+    if updated_ready < replicas or extra:
+        return Condition(
+            type="Progressing",
+            status="True",
+            reason="GroupsStarting",
+            message=f"{updated_ready}/{replicas} groups ready at the current revision",
+        )
+    return Condition(
+        type="Progressing", status="False", reason="Complete", message=f"{replicas} groups ready and updated"
+    )
+
+
+def _degraded(groups: list[GroupStatus]) -> Condition:
+    failing = [g for g in groups if g.phase == "BackingOff"]
+    if not failing:
+        return Condition(type="Degraded", status="False", reason="AsExpected", message="no group is failing")
+    parts = [
+        f"group {g.index}: {g.last_failure}; restart {g.restarts} at {g.next_restart_time}" for g in failing
+    ]
+    return Condition(type="Degraded", status="True", reason="GroupRestarting", message="; ".join(parts))
+
+
+def build_status(
+    cluster: str,
+    generation: int | None,
+    spec: InferenceClusterSpec,
+    revision: str,
+    plan: Plan,
+    endpoint: str,
+    previous: InferenceClusterStatus,
+    now: float,
+) -> InferenceClusterStatus:
+    groups = sorted(plan.groups, key=lambda g: g.index)
+    live = [g for g in groups if g.pods > 0 or g.phase in ("Pending", "Starting", "Ready", "Updating")]
+    ready = [g for g in groups if g.ready]
+    updated = [
+        g for g in groups if g.index < spec.replicas and g.revision == revision and g.phase != "Updating"
+    ]
+    updated_ready = [g for g in updated if g.ready]
+    revisions = Counter(g.revision for g in groups if g.revision)
+    current = (
+        revision
+        if len(updated_ready) >= spec.replicas
+        else (revisions.most_common(1) or [(revision, 0)])[0][0]
+    )
+    conditions = list(previous.conditions)
+    for condition in (
+        _ready(spec, len(ready)),
+        _progressing(spec, plan, len(updated_ready), len(updated)),
+        _degraded(groups),
+    ):
+        conditions = set_condition(
+            conditions, condition.model_copy(update={"observed_generation": generation}), now
+        )
+    return InferenceClusterStatus(
+        observed_generation=generation,
+        replicas=len(live),
+        ready_replicas=len(ready),
+        updated_replicas=len(updated),
+        selector=naming.selector_string(naming.leader_selector(cluster)),
+        current_revision=current,
+        update_revision=revision,
+        endpoint=endpoint,
+        groups=groups,
+        conditions=conditions,
+    )
+
+
+def invalid_status(
+    previous: InferenceClusterStatus, generation: int | None, message: str, now: float
+) -> InferenceClusterStatus:
+    """The spec breaks a cross-field rule: change nothing, say why."""
+    condition = Condition(
+        type="Degraded", status="True", reason="InvalidSpec", message=message, observed_generation=generation
+    )
+    return previous.model_copy(
+        update={
+            "observed_generation": generation,
+            "conditions": set_condition(previous.conditions, condition, now),
+        }
+    )

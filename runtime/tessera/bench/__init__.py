@@ -1,0 +1,1 @@
+"""`tessera bench serve`: load a running server the way `vllm bench serve` does."""

@@ -1,0 +1,75 @@
+"""One streamed completion request, timed chunk by chunk (TTFT, inter-token latencies, end to end)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from tessera.bench.datasets import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0  # tokens the server reported (usage)
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    error: str = ""
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    request: BenchRequest,
+    headers: dict[str, str],
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = RequestResult(prompt_len=request.prompt_len)
+    started = time.perf_counter()
+    last = started
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return result
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if result.ttft_s == 0.0:
+                        result.ttft_s = now - started
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_len = chunk["usage"]["completion_tokens"]
+        result.latency_s = time.perf_counter() - started
+        result.success = result.output_len > 0
+        if not result.success:
+            result.error = "no tokens generated"
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        result.error = repr(exc)
+    return result

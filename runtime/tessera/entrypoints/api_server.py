@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP server: `tessera serve MODEL [options]`.
+
+FastAPI + uvicorn in front of AsyncLLM. Errors always use OpenAI's error body; request
+validation failures are 400 (not FastAPI's 422). When the engine core dies, /health turns
+503, waiting callers get errors, and the process exits non-zero so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tessera.engine.arg_utils import add_engine_args, engine_config_from_args
+from tessera.engine.async_llm import AsyncLLM
+from tessera.engine.core_client import EngineDeadError
+from tessera.entrypoints.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from tessera.entrypoints.serving_chat import create_chat_completion
+from tessera.entrypoints.serving_common import APIError, ServingContext, error_response
+from tessera.entrypoints.serving_completions import create_completion
+
+logger = logging.getLogger("tessera.api_server")
+
+# Seconds between the engine's death and the server's exit: callers receive their errors first.
+DEAD_ENGINE_GRACE_S = 1.0
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
+}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {message}", None
+    return (f"{param}: {message}" if param else message), param
+
+
+def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
+    engine = ctx.engine
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+
+    app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, HTTPStatus.BAD_REQUEST, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE)
+
+    if api_key:
+
+        @app.middleware("http")
+        async def check_api_key(
+            request: Request, call_next: Callable[[Request], Awaitable[Response]]
+        ) -> Response:
+            if request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "")
+                expected = f"Bearer {api_key}"
+                if not hmac.compare_digest(given.encode(), expected.encode()):
+                    return error_response("invalid or missing API key", HTTPStatus.UNAUTHORIZED)
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return error_response("the engine core is not running", HTTPStatus.SERVICE_UNAVAILABLE)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+                for name in ctx.served_model_names
+            ]
+        )
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, raw_request: Request) -> Any:
+        return await create_completion(ctx, body, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Any:
+        return await create_chat_completion(ctx, body, raw_request)
+
+    return app
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="alias (e.g. smollm2-135m-instruct), Hugging Face folder, or .gguf file"
+    )
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("TESSERA_API_PORT", "8000")))
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use (default: the model argument)",
+    )
+    parser.add_argument("--api-key", default=None, help="require this bearer key (or set TESSERA_API_KEY)")
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 + Retry-After while more requests than this wait for the engine (default: no limit)",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(parser, exclude=("model",))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until stopped; returns the process exit code (1 when the engine core died)."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = engine_config_from_args(args, args.model)
+    names = args.served_model_name or [args.model]
+    api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
+    engine = AsyncLLM(config, served_model_name=names[0])
+    ctx = ServingContext(engine, names, args.max_waiting_requests)
+    app = build_app(ctx, api_key)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            access_log=args.log_level == "debug",
+        )
+    )
+
+    def on_dead(error: EngineDeadError) -> None:
+        logger.error("engine core died; shutting the server down")
+        asyncio.get_running_loop().call_later(
+            DEAD_ENGINE_GRACE_S, lambda: setattr(server, "should_exit", True)
+        )
+
+    engine.on_engine_dead(on_dead)
+    logger.info("serving %s as %s on http://%s:%d", args.model, ", ".join(names), args.host, args.port)
+    try:
+        asyncio.run(server.serve())
+    finally:
+        engine.shutdown()
+    if engine.dead_error is not None:
+        return 1
+    return 0 if server.started else 1
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    """`tessera serve MODEL [options]`, wired into tessera.cli."""
+    serve = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_serve_args(serve)
+    serve.set_defaults(handler=run_server)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tessera serve", description="OpenAI-compatible server")
+    add_serve_args(parser)
+    sys.exit(run_server(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, then the same engine path as completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tessera.engine.core_client import EngineDeadError
+from tessera.engine.output_processor import RequestOutputKind
+from tessera.entrypoints.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from tessera.entrypoints.serving_common import (
+    SSE_DONE,
+    APIError,
+    ServingContext,
+    cancel_on_disconnect,
+    error_body,
+    sse,
+)
+from tessera.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def chat_logprobs(output: CompletionOutput, top_n: int, tokenizer: Any) -> ChatLogprobs | None:
+    if output.logprobs is None:
+        return None
+
+    def entry_of(token_id: int, lp: Logprob) -> TopLogprob:
+        token = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
+        return TopLogprob(token=token, logprob=max(lp.logprob, -9999.0), bytes=list(token.encode("utf-8")))
+
+    content = []
+    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+        sampled = entry_of(token_id, entry.get(token_id) or Logprob(float("-inf")))
+        ranked = sorted(
+            ((lp.rank, tid, lp) for tid, lp in entry.items() if lp.rank is not None), key=lambda x: x[0]
+        )
+        top = [entry_of(tid, lp) for _, tid, lp in ranked[:top_n]]
+        content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request
+) -> Any:
+    model = ctx.check_model(body.model)
+    try:
+        prompt = ctx.engine.render_chat(body.chat_messages(), body.add_generation_prompt)
+    except Exception as exc:  # the template is user-facing Jinja: any failure is the request's fault
+        raise APIError(
+            f"cannot apply the chat template: {exc}", HTTPStatus.BAD_REQUEST, param="messages"
+        ) from exc
+    # The template already holds the special tokens (BOS) it wants.
+    token_ids = ctx.tokenize(prompt, add_special_tokens=False, param="messages")
+    default_max_tokens = max(1, ctx.engine.max_model_len - len(token_ids))
+    try:
+        params = body.to_sampling_params(default_max_tokens)
+    except ValueError as exc:
+        raise APIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
+    ctx.check_admission()
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    generator = ctx.engine.generate(request_id, token_ids, params, prompt, kind)
+    top_n = body.top_logprobs or 0
+    if body.stream:
+        return StreamingResponse(
+            _stream(ctx, body, model, request_id, generator, len(token_ids), top_n),
+            media_type="text/event-stream",
+        )
+    final = await cancel_on_disconnect(raw_request, _last(generator))
+    choices = [
+        ChatChoice(
+            index=output.index,
+            message=ChatResponseMessage(content=output.text),
+            logprobs=chat_logprobs(output, top_n, ctx.engine.tokenizer),
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+        )
+        for output in sorted(final.outputs, key=lambda o: o.index)
+    ]
+    completion_tokens = sum(len(o.token_ids) for o in final.outputs)
+    usage = UsageInfo(
+        prompt_tokens=len(token_ids),
+        completion_tokens=completion_tokens,
+        total_tokens=len(token_ids) + completion_tokens,
+    )
+    return JSONResponse(
+        ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump()
+    )
+
+
+async def _last(generator: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+    final = None
+    try:
+        async for output in generator:
+            final = output
+    except EngineDeadError as exc:
+        raise APIError(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE) from exc
+    finally:
+        await generator.aclose()
+    assert final is not None
+    return final
+
+
+async def _stream(
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    model: str,
+    request_id: str,
+    generator: AsyncGenerator[RequestOutput, None],
+    num_prompt_tokens: int,
+    top_n: int,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choice: ChatStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
+
+    completion_tokens = 0
+    try:
+        for index in range(body.n):
+            yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+        async for output in generator:
+            for completion in output.outputs:
+                completion_tokens += len(completion.token_ids)
+                if not completion.text and completion.finish_reason is None and completion.logprobs is None:
+                    continue
+                yield chunk(
+                    ChatStreamChoice(
+                        index=completion.index,
+                        delta=DeltaMessage(content=completion.text),
+                        logprobs=chat_logprobs(completion, top_n, ctx.engine.tokenizer),
+                        finish_reason=completion.finish_reason,
+                    )
+                )
+        if body.stream_options is not None and body.stream_options.include_usage:
+            usage = UsageInfo(
+                prompt_tokens=num_prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=num_prompt_tokens + completion_tokens,
+            )
+            yield sse(
+                ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
+            )
+    except EngineDeadError as exc:
+        yield sse(error_body(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE))
+    finally:
+        await generator.aclose()
+    yield SSE_DONE

@@ -1,0 +1,170 @@
+"""POST /v1/completions: text (or token-id) prompts, one or several, streamed or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tessera.engine.core_client import EngineDeadError
+from tessera.engine.output_processor import RequestOutputKind
+from tessera.entrypoints.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from tessera.entrypoints.serving_common import (
+    SSE_DONE,
+    APIError,
+    ServingContext,
+    cancel_on_disconnect,
+    error_body,
+    merge_streams,
+    sse,
+)
+from tessera.outputs import CompletionOutput, Logprob, RequestOutput
+from tessera.sampling_params import SamplingParams
+
+
+def completion_logprobs(
+    output: CompletionOutput, text_offset: int, tokenizer: Any
+) -> CompletionLogprobs | None:
+    if output.logprobs is None:
+        return None
+    result = CompletionLogprobs()
+    offset = text_offset
+    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+        sampled = entry.get(token_id) or Logprob(float("-inf"))
+        token = sampled.decoded_token if sampled.decoded_token is not None else tokenizer.decode([token_id])
+        result.tokens.append(token)
+        result.token_logprobs.append(max(sampled.logprob, -9999.0))
+        result.text_offset.append(offset)
+        offset += len(token)
+        top = {
+            (lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])): max(
+                lp.logprob, -9999.0
+            )
+            for tid, lp in entry.items()
+        }
+        result.top_logprobs.append(top)
+    return result
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Any:
+    model = ctx.check_model(body.model)
+    try:
+        params = body.to_sampling_params()
+    except ValueError as exc:
+        raise APIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
+    prompts = body.prompts()
+    token_lists = [ctx.tokenize(p) for p in prompts]
+    ctx.check_admission()
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    generators = [
+        ctx.engine.generate(f"{request_id}-{i}", ids, params, texts[i], kind)
+        for i, ids in enumerate(token_lists)
+    ]
+    if body.stream:
+        return StreamingResponse(
+            _stream(ctx, body, params, model, request_id, generators, token_lists, texts),
+            media_type="text/event-stream",
+        )
+    finals = await cancel_on_disconnect(raw_request, _collect(generators))
+    choices = []
+    completion_tokens = 0
+    for prompt_index, final in enumerate(finals):
+        prefix = (texts[prompt_index] or "") if body.echo else ""
+        for output in sorted(final.outputs, key=lambda o: o.index):
+            completion_tokens += len(output.token_ids)
+            choices.append(
+                CompletionChoice(
+                    index=prompt_index * params.n + output.index,
+                    text=prefix + output.text,
+                    logprobs=completion_logprobs(output, len(prefix), ctx.engine.tokenizer),
+                    finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason,
+                )
+            )
+    prompt_tokens = sum(len(ids) for ids in token_lists)
+    usage = UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+    response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+    return JSONResponse(response.model_dump())
+
+
+async def _collect(generators: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(generators)
+    try:
+        async for index, output in merge_streams(generators):
+            finals[index] = output
+    except EngineDeadError as exc:
+        raise APIError(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE) from exc
+    return [f for f in finals if f is not None]
+
+
+async def _stream(
+    ctx: ServingContext,
+    body: CompletionRequest,
+    params: SamplingParams,
+    model: str,
+    request_id: str,
+    generators: list[AsyncGenerator[RequestOutput, None]],
+    token_lists: list[list[int]],
+    texts: list[str | None],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    completion_tokens = 0
+    text_offsets: dict[int, int] = {}
+
+    def chunk(choice: CompletionChoice) -> str:
+        return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
+
+    try:
+        if body.echo:
+            for prompt_index, text in enumerate(texts):
+                for i in range(params.n):
+                    index = prompt_index * params.n + i
+                    text_offsets[index] = len(text or "")
+                    yield chunk(CompletionChoice(index=index, text=text or ""))
+        async for prompt_index, output in merge_streams(generators):
+            for completion in output.outputs:
+                index = prompt_index * params.n + completion.index
+                completion_tokens += len(completion.token_ids)
+                if not completion.text and completion.finish_reason is None and completion.logprobs is None:
+                    continue
+                offset = text_offsets.get(index, 0)
+                text_offsets[index] = offset + len(completion.text)
+                yield chunk(
+                    CompletionChoice(
+                        index=index,
+                        text=completion.text,
+                        logprobs=completion_logprobs(completion, offset, ctx.engine.tokenizer),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+        if body.stream_options is not None and body.stream_options.include_usage:
+            prompt_tokens = sum(len(ids) for ids in token_lists)
+            usage = UsageInfo(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens,
+            )
+            yield sse(
+                CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
+            )
+    except EngineDeadError as exc:
+        yield sse(error_body(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE))
+    yield SSE_DONE

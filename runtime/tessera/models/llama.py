@@ -1,0 +1,316 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) on a paged KV cache, TP- and PP-ready.
+
+One implementation covers the family: they differ only in config details read here (QKV
+bias for Qwen2, sliding windows, RoPE scaling, tied embeddings). Parameter names follow
+Hugging Face checkpoints except the fused ``qkv_proj`` and ``gate_up_proj``, which
+``load_weights`` fills from the separate checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.models.intermediate_tensors import IntermediateTensors
+from tessera.models.layers.activation import SiluAndMul
+from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
+from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tessera.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tessera.models.layers.norm import RMSNorm
+from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary
+from tessera.topology import split_layers
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+STACKED_PARAMS: list[tuple[str, str, Any]] = [
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+]
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """RoPE settings whichever way the config spells them (transformers 5: ``rope_parameters``;
+    older files: ``rope_theta`` + ``rope_scaling``)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def sliding_window_of_layer(config: Any, layer: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "model_type", "") == "qwen2":
+        # Qwen2 slides only when asked, and only on the layers its layer_types mark.
+        if not getattr(config, "use_sliding_window", False):
+            return None
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and layer_types[layer] != "sliding_attention":
+            return None
+    return int(window)
+
+
+class PPMissingLayer(nn.Identity):
+    """Placeholder for a layer that lives on another pipeline stage (keeps checkpoint indices)."""
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer: int, dtype: torch.dtype, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
+        self.qkv_proj = QKVParallelLinear(
+            hidden,
+            head_dim,
+            heads,
+            kv_heads,
+            bias=qkv_bias,
+            params_dtype=dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.o_proj = RowParallelLinear(
+            heads * head_dim, hidden, bias=o_bias, params_dtype=dtype, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            head_dim,
+        )
+        self.attn = Attention(
+            self.num_heads, head_dim, self.num_kv_heads, sliding_window=sliding_window_of_layer(config, layer)
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        n = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        cos, sin = rope
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        attended = self.attn(q.view(n, -1), k.view(n, -1), v, kv_cache, plan)
+        return self.o_proj(attended)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (silu is)")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size,
+            [inter, inter],
+            bias=bias,
+            params_dtype=dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=bias, params_dtype=dtype, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer: int, dtype: torch.dtype, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, layer, dtype, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, dtype, tp_rank, tp_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, rope, kv_cache, plan)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        tp_rank: int,
+        tp_size: int,
+        layer_range: tuple[int, int],
+        is_first_stage: bool,
+        is_last_stage: bool,
+    ) -> None:
+        super().__init__()
+        self.start_layer, self.end_layer = layer_range
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
+            if is_first_stage
+            else None
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, tp_rank, tp_size)
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if is_last_stage else None
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model interface the runner uses: forward, compute_logits, kv_cache_spec, load_weights."""
+
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        layer_partition: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.layer_range = split_layers(self.num_layers, pp_size, layer_partition)[pp_rank]
+        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(
+            config, dtype, tp_rank, tp_size, self.layer_range, self.is_first_stage, self.is_last_stage
+        )
+        self.lm_head: ParallelLMHead | None = None
+        if self.is_last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
+            if self.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.tie_to(self.model.embed_tokens)
+        first_attention = self._local_layers()[0].self_attn
+        self._kv_heads, self._head_dim = first_attention.num_kv_heads, first_attention.head_dim
+        max_position = int(getattr(config, "max_position_embeddings", 4096))
+        self.rotary = RotaryEmbedding(self._head_dim, max_position, rope_parameters(config), dtype)
+        self._workspace = GatherWorkspace()
+
+    def _local_layers(self) -> list[LlamaDecoderLayer]:
+        start, end = self.layer_range
+        return [self.model.layers[i] for i in range(start, end)]  # type: ignore[misc]
+
+    @property
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """(local layers, KV heads on this rank, head_dim): the runner allocates one cache per local layer."""
+        start, end = self.layer_range
+        return end - start, self._kv_heads, self._head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.is_first_stage:
+            if input_ids is None or self.model.embed_tokens is None:
+                raise ValueError("the first pipeline stage needs input_ids")
+            hidden_states = self.model.embed_tokens(input_ids)
+            residual: torch.Tensor | None = None
+        else:
+            if intermediate_tensors is None:
+                raise ValueError("a later pipeline stage needs the previous stage's intermediate_tensors")
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        layers = self._local_layers()
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(layers)} local layers")
+        plan = AttentionPlan.build(
+            attn_metadata, kv_caches[0].shape[2], hidden_states.device, self._workspace
+        )
+        rope = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            hidden_states, residual = layer(hidden_states, residual, rope, kv_cache, plan)
+        if not self.is_last_stage:
+            assert residual is not None
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        assert self.model.norm is not None
+        hidden_states, _ = self.model.norm(hidden_states, residual)
+        return hidden_states
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[M, hidden] -> [M, vocab] float32 (pass only the rows whose next token is sampled)."""
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into this rank's parameters; returns the parameter names filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            for target in self._targets(name):
+                fused = next(((frag, new, sid) for frag, new, sid in STACKED_PARAMS if frag in target), None)
+                if fused is not None:
+                    frag, new, shard_id = fused
+                    target = target.replace(frag, new)
+                    if target not in params:
+                        continue
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                elif target in params:
+                    param = params[target]
+                    loader = getattr(param, "weight_loader", None)
+                    if loader is None:
+                        param.data.copy_(tensor)
+                    else:
+                        loader(param, tensor)
+                else:
+                    continue
+                loaded.add(target)
+        return loaded
+
+    def _targets(self, name: str) -> list[str]:
+        """Which local parameters a checkpoint tensor feeds ([] for other stages' layers)."""
+        if "rotary_emb.inv_freq" in name:
+            return []
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            start, end = self.layer_range
+            return [name] if start <= index < end else []
+        if name == "lm_head.weight":
+            return [] if self.tie_word_embeddings else [name]
+        if name == "model.embed_tokens.weight" and self.tie_word_embeddings and self.is_last_stage:
+            # A tied last stage that does not hold the embedding still needs the matrix as its LM head.
+            return [name, "lm_head.weight"] if self.model.embed_tokens is None else [name]
+        return [name]
+
+    def missing_parameters(self, loaded: set[str]) -> list[str]:
+        """Parameters no checkpoint tensor filled (tied parameters count once, by identity)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        filled = {id(params[name]) for name in loaded}
+        return sorted(name for name, param in params.items() if id(param) not in filled)

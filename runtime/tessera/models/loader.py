@@ -1,0 +1,117 @@
+"""Build a model from a Hugging Face folder and stream its safetensors weights into it.
+
+transformers supplies only the config; the forward pass is Tessera's. Tensors are read one
+at a time (memory-mapped) and each parameter's ``weight_loader`` keeps this rank's slice,
+so a rank never holds more than its shard plus one checkpoint tensor. Layers of other
+pipeline stages are never read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tessera.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# Architectures (config.json "architectures") this implementation runs.
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def load_config(folder: Path):  # -> transformers.PretrainedConfig
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def model_class_for(config) -> type[LlamaForCausalLM]:
+    architectures = list(getattr(config, "architectures", None) or [])
+    for architecture in architectures:
+        if architecture in MODEL_CLASSES:
+            return MODEL_CLASSES[architecture]
+    raise UnsupportedModelError(
+        f"unsupported architecture {architectures or config.model_type!r}; supported: {', '.join(MODEL_CLASSES)}"
+    )
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    return files
+
+
+def iterate_checkpoint(folder: Path, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every checkpoint tensor (or only the ``wanted`` names)."""
+    for file in safetensors_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if wanted is None or name in wanted:
+                    yield name, handle.get_tensor(name)
+
+
+def load_model(
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    layer_partition: list[int] | None = None,
+) -> LlamaForCausalLM:
+    """This rank's part of the model in ``folder``, on ``device`` in ``dtype``, ready for inference."""
+    started = time.monotonic()
+    folder = Path(folder)
+    config = load_config(folder)
+    model_class = model_class_for(config)
+    with torch.device(device):
+        model = model_class(
+            config,
+            dtype=dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            layer_partition=layer_partition,
+        )
+    with torch.no_grad():
+        loaded = model.load_weights(iterate_checkpoint(folder))
+    missing = model.missing_parameters(loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {folder} lacks tensors for: {', '.join(missing[:8])}")
+    model.eval()
+    start, end = model.layer_range
+    logger.info(
+        "loaded %s layers [%d, %d) of %d (tp %d/%d) as %s on %s in %.1f s",
+        folder.name,
+        start,
+        end,
+        model.num_layers,
+        tp_rank,
+        tp_size,
+        dtype,
+        device,
+        time.monotonic() - started,
+    )
+    return model

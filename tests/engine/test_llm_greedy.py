@@ -1,0 +1,193 @@
+"""Greedy tokens of the engine equal transformers' greedy generate, under every scheduling stress."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from tessera import LLM, SamplingParams
+from tessera.engine.messages import SchedulerStats
+from tessera.engine.processor import generation_eos_token_ids
+from tests.engine.reference import hf_greedy
+
+SHARED_PREFIX = (
+    "You are a careful assistant. Answer briefly and precisely, and say so when you do not know. "
+    "The following question comes from a user of the Tessera project: "
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Why is the sky blue?",
+    "How many legs does a spider have?",
+    "Write a haiku about autumn leaves.",
+    "What does a compiler do?",
+    "Explain photosynthesis in one sentence.",
+    "Which planet is the largest in our solar system?",
+]
+OTHER_PROMPTS = [
+    "Once upon a time",
+    "The quick brown fox",
+    "In 1969, astronauts",
+    "def fibonacci(n):",
+    "The three laws of thermodynamics state that energy can neither be created nor destroyed, that",
+    "List of fruits: apple, banana,",
+    "Kubernetes is",
+    "A short poem about the sea:\n",
+]
+
+
+def prompts_of_varied_lengths() -> list[str]:
+    return [SHARED_PREFIX + q for q in QUESTIONS] + OTHER_PROMPTS
+
+
+class StatsRecorder:
+    """Sums the engine's per-step statistics while the LLM runs."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.preemptions = 0
+        self.prefix_hits = 0
+        self.max_running = 0
+        original = llm.engine.step
+
+        def step():
+            outputs = original()
+            stats: SchedulerStats = outputs.scheduler_stats
+            self.preemptions += stats.num_preemptions
+            self.prefix_hits += stats.prefix_cache_hits
+            self.max_running = max(self.max_running, stats.num_running_reqs)
+            return outputs
+
+        llm.engine.step = step  # type: ignore[method-assign]
+
+
+def check_greedy_matches_reference(model_dir: Path, max_new_tokens: int, num_kv_blocks: int) -> None:
+    prompts = prompts_of_varied_lengths()
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_num_batched_tokens=64,  # forces chunked prefill of the longer prompts
+        num_kv_blocks=num_kv_blocks,  # small enough to force preemption
+        block_size=16,
+        max_model_len=256,
+        enable_prefix_caching=True,
+    )
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer(p).input_ids for p in prompts]
+    eos = generation_eos_token_ids(model_dir) or tokenizer.eos_token_id
+    expected = hf_greedy(model_dir, prompt_ids, max_new_tokens, eos)
+
+    recorder = StatsRecorder(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    outputs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert recorder.preemptions > 0, "the KV budget was meant to force preemption"
+    assert recorder.prefix_hits > 0, "the shared prefix was meant to hit the prefix cache"
+    assert recorder.max_running > 1, "requests were meant to run concurrently"
+    assert llm.engine.scheduler.kv.usage == 0.0
+
+    # The same prompts again: whole prompts now hit the cache, and the tokens stay the same.
+    recorder.prefix_hits = 0
+    again = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert recorder.prefix_hits > 0
+    assert llm.engine.scheduler.kv.usage == 0.0
+    # Text is the tokenizer's decode of the tokens.
+    for output in again:
+        completion = output.outputs[0]
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_tiny_llama_greedy_equals_transformers(tiny_llama_dir: Path):
+    check_greedy_matches_reference(tiny_llama_dir, max_new_tokens=20, num_kv_blocks=30)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_transformers(smollm2_dir: Path):
+    check_greedy_matches_reference(smollm2_dir, max_new_tokens=24, num_kv_blocks=16)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_through_chat_template(smollm2_dir: Path):
+    llm = LLM(str(smollm2_dir), dtype="float32", max_model_len=512, num_kv_blocks=64)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=24))
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_abort_mid_flight_frees_every_block(tiny_llama_dir: Path):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, max_model_len=128)
+    for index in range(6):
+        text, ids = llm._tokenize(f"request number {index} " * (index + 1))
+        llm._add_request(text, ids, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        llm.engine.step()
+    assert llm.engine.scheduler.kv.usage > 0
+    llm.engine.abort_requests(llm.output_processor.abort_requests([str(i) for i in range(6)]))
+    assert llm.engine.scheduler.kv.usage == 0.0
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_seed_and_top_k(tiny_llama_dir: Path):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
+    prompt = "The weather today is"
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
+    rng = random.Random(0)
+    others = [f"Filler prompt {rng.random()}" for _ in range(7)]
+    batch_params = [SamplingParams(temperature=1.0, max_tokens=rng.randint(4, 20), ignore_eos=True) for _ in others]
+    batch = llm.generate([*others[:3], prompt, *others[3:]], [*batch_params[:3], seeded, *batch_params[3:]])
+    assert batch[3].outputs[0].token_ids == alone
+
+    greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    top1 = llm.generate([prompt], SamplingParams(temperature=1.0, top_k=1, max_tokens=16, ignore_eos=True))
+    assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
+
+    n3 = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
+    assert sorted(c.index for c in n3[0].outputs) == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in n3[0].outputs}) > 1  # distinct derived seeds
+
+
+def test_logprobs_and_stop_strings(tiny_llama_dir: Path):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 6
+    for token_id, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token_id in entry
+        ranked = sorted((lp.rank, lp.logprob) for lp in entry.values() if lp.rank is not None)
+        assert [r for r, _ in ranked][:3] == [1, 2, 3]
+        assert entry[token_id].rank == 1  # greedy picks the most likely token
+    # A stop string cut from the greedy text ends the output right before it.
+    full = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].text
+    if len(full) > 6:
+        stop = full[3:6]
+        cut = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+        assert cut.outputs[0].text == full[: full.index(stop)]
+        assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    assert llm.engine.scheduler.kv.usage == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_k": -5},
+        {"max_tokens": 0},
+        {"n": 0},
+        {"min_p": 1.5},
+        {"presence_penalty": 3.0},
+        {"repetition_penalty": 0.0},
+        {"logprobs": 50},
+    ],
+)
+def test_bad_sampling_params_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_over_long_prompt_is_rejected(tiny_llama_dir: Path):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=8, max_model_len=64)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate(["word " * 200], SamplingParams(max_tokens=4))

@@ -1,0 +1,172 @@
+"""Admission on the genuine API server: the schema, the kopf webhook, the chart's RBAC."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.integration.operator_harness import (
+    CHART,
+    ROOT,
+    condition,
+    free_port,
+    ic,
+    pod_names,
+    running_operator,
+    wait_for,
+)
+
+
+@pytest.fixture(scope="module")
+def crds(k8s_cluster: Any) -> Any:
+    k8s_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    k8s_cluster.kubectl(
+        "wait", "--for", "condition=established", "crd/inferenceclusters.tessera.dev", "--timeout=60s"
+    )
+    return k8s_cluster
+
+
+def manifest(**spec: Any) -> str:
+    base: dict[str, Any] = {
+        "model": {"source": "smollm2-135m-instruct"},
+        "parallelism": {"tensor": 2, "pipeline": 2},
+    }
+    base.update(spec)
+    return yaml.safe_dump(
+        {
+            "apiVersion": "tessera.dev/v1alpha1",
+            "kind": "InferenceCluster",
+            "metadata": {"name": "bad"},
+            "spec": base,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"replicas": -1}, "spec.replicas"),
+        ({"parallelism": {"tensor": "two"}}, "spec.parallelism.tensor"),
+        ({"placement": {"mode": "sometimes"}}, "spec.placement.mode"),
+        ({"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
+    ],
+)
+def test_schema_rejects_types_and_ranges(
+    crds: Any, k8s_namespace: str, spec: dict[str, Any], field: str
+) -> None:
+    result = crds.kubectl("apply", "-n", k8s_namespace, "-f", "-", input=manifest(**spec), check=False)
+    assert result.returncode != 0 and field in result.stderr, result.stderr
+
+
+def test_examples_pass_server_side_validation(crds: Any, k8s_namespace: str) -> None:
+    for example in ("smollm2-local.yaml", "llama-70b-gpu.yaml"):
+        crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(ROOT / "examples" / example))
+
+
+def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    config_name = f"{ns}.tessera.dev"
+    port = free_port()
+    args = (
+        "--webhook-port", str(port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
+        "--webhook-managed", config_name,
+    )  # fmt: skip
+    try:
+        with running_operator(cluster, ns, *args, rbac_extra=("--set", "webhook.enabled=true")):
+            wait_for(
+                lambda: (
+                    cluster.kubectl(
+                        "get", "validatingwebhookconfiguration", config_name, check=False
+                    ).returncode
+                    == 0
+                ),
+                "kopf registered the webhook",
+            )
+            cases: list[tuple[dict[str, Any], str]] = [
+                (
+                    {"parallelism": {"tensor": 2, "pipeline": 2, "layerPartition": [30]}},
+                    "spec.parallelism.layerPartition",
+                ),
+                (
+                    {"parallelism": {"tensor": 1, "pipeline": 2, "sequenceParallel": True}},
+                    "spec.parallelism.sequenceParallel",
+                ),
+                (
+                    {"parallelism": {"tensor": 2, "pipeline": 2, "layerPartition": [15, 14]}},
+                    "spec.parallelism.layerPartition",
+                ),
+                ({"rollout": {"maxUnavailable": 0, "maxSurge": 0}}, "spec.rollout.maxUnavailable"),
+            ]
+            for spec, field in cases:
+
+                def rejected(spec: dict[str, Any] = spec) -> Any:
+                    r = cluster.kubectl("apply", "-n", ns, "-f", "-", input=manifest(**spec), check=False)
+                    return r if r.returncode != 0 else None
+
+                result = wait_for(rejected, f"rejection of {field}", timeout=15)
+                assert field in result.stderr and "denied" in result.stderr, result.stderr
+            cluster.kubectl("apply", "-n", ns, "-f", "-", input=manifest())  # a valid object passes
+    finally:
+        cluster.kubectl("delete", "validatingwebhookconfiguration", config_name, "--ignore-not-found")
+
+
+def test_without_the_webhook_the_operator_still_refuses_an_invalid_spec(
+    crds: Any, k8s_namespace: str
+) -> None:
+    cluster, ns = crds, k8s_namespace
+    with running_operator(cluster, ns):
+        cluster.kubectl(
+            "apply", "-n", ns, "-f", "-",
+            input=manifest(parallelism={"tensor": 1, "pipeline": 2, "layerPartition": [10, 10]}),
+        )  # fmt: skip
+        degraded = wait_for(lambda: condition(ic(cluster, ns, "bad"), "Degraded"), "Degraded condition")
+        assert (
+            degraded["reason"] == "InvalidSpec" and "spec.parallelism.layerPartition" in degraded["message"]
+        )
+        assert not pod_names(cluster, ns)
+
+
+def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    helm = str(cluster.bin_dir / "helm")
+    release = f"r{ns[-8:]}"
+    run = subprocess.run(
+        [
+            helm,
+            "install",
+            release,
+            str(CHART),
+            "-n",
+            ns,
+            "--set",
+            f"watch.namespaces={{{ns}}}",
+            "--wait=false",
+        ],
+        capture_output=True,
+        text=True,
+        env=cluster.env,
+    )
+    assert run.returncode == 0, run.stderr
+    try:
+        sa = f"system:serviceaccount:{ns}:{release}-operator"
+
+        def can(verb: str, resource: str, namespace: str) -> bool:
+            result = cluster.kubectl(
+                "auth", "can-i", verb, resource, "-n", namespace, "--as", sa, check=False
+            )
+            return result.stdout.strip() == "yes"
+
+        assert can("create", "pods", ns) and can("patch", "inferenceclusters.tessera.dev/status", ns)
+        assert can("watch", "inferenceclusters.tessera.dev", ns) and can("create", "events", ns)
+        assert not can("create", "pods", "default")  # namespace-scoped install
+        assert not can("delete", "inferenceclusters.tessera.dev", ns)
+        assert not can("create", "secrets", ns)
+        deployment = cluster.kubectl("get", "deploy", f"{release}-operator", "-n", ns, "-o", "yaml").stdout
+        spec = yaml.safe_load(deployment)["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    finally:
+        subprocess.run([helm, "uninstall", release, "-n", ns], capture_output=True, env=cluster.env)

@@ -1,0 +1,231 @@
+"""The operator against the genuine kube-apiserver: objects, status, scale, restart, GC."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+from tests.integration.operator_harness import (
+    ROOT,
+    FakeKubelet,
+    apply_example,
+    condition,
+    failed,
+    ic,
+    kjson,
+    pod_names,
+    pods,
+    running,
+    running_operator,
+    set_pod_status,
+    wait_for,
+)
+
+SMALL = {"tensor": 2, "pipeline": 2}
+FAST_RESTART = {"backoffBaseSeconds": 2, "backoffMaxSeconds": 8, "resetAfterSeconds": 600}
+
+
+@pytest.fixture(scope="module")
+def crds(k8s_cluster: Any) -> Any:
+    k8s_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+    k8s_cluster.kubectl(
+        "wait", "--for", "condition=established", "crd/inferenceclusters.tessera.dev", "--timeout=60s"
+    )
+    return k8s_cluster
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    with running_operator(cluster, ns):
+        apply_example(cluster, ns, "smollm2-local.yaml")
+        expected = {f"smollm2-g0-s{s}-t{t}" for s in range(2) for t in range(3)}
+        wait_for(lambda: pod_names(cluster, ns) == expected, "6 rank pods")
+        obj = ic(cluster, ns, "smollm2")
+        by_name = {p["metadata"]["name"]: p for p in pods(cluster, ns)}
+        worker = by_name["smollm2-g0-s1-t2"]
+        labels = worker["metadata"]["labels"]
+        assert labels["tessera.dev/role"] == "worker" and labels["tessera.dev/stage"] == "1"
+        assert labels["tessera.dev/tp-rank"] == "2" and labels["tessera.dev/revision"]
+        assert (
+            worker["spec"]["hostname"] == "smollm2-g0-s1-t2"
+            and worker["spec"]["subdomain"] == "smollm2-ranks"
+        )
+        env = env_of(worker)
+        assert env["TESSERA_LEADER_ADDR"] == f"smollm2-g0-s0-t0.smollm2-ranks.{ns}.svc"
+        assert (env["TESSERA_RANK"], env["TESSERA_WORLD_SIZE"], env["TESSERA_LAYER_PARTITION"]) == (
+            "5",
+            "6",
+            "16,14",
+        )
+        assert env["TESSERA_SEQUENCE_PARALLEL"] == "true" and env["PYTHONHASHSEED"] == "0"
+        [owner] = worker["metadata"]["ownerReferences"]
+        assert owner["uid"] == obj["metadata"]["uid"] and owner["controller"] is True
+        leader = by_name["smollm2-g0-s0-t0"]
+        assert leader["spec"]["containers"][0]["command"] == ["tessera", "serve"]
+        assert leader["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
+
+        services = {s["metadata"]["name"]: s for s in kjson(cluster, "get", "svc", "-n", ns)["items"]}
+        assert services["smollm2-ranks"]["spec"]["clusterIP"] == "None"
+        assert services["smollm2-ranks"]["spec"]["publishNotReadyAddresses"] is True
+        assert services["smollm2"]["spec"]["selector"] == {
+            "tessera.dev/cluster": "smollm2",
+            "tessera.dev/role": "leader",
+        }
+
+        # Running pods are not Ready: only the leader's readiness probe makes the group Ready.
+        for name in by_name:
+            set_pod_status(cluster, ns, name, running(ready=False))
+        wait_for(lambda: ic(cluster, ns, "smollm2")["status"]["groups"][0]["phase"] == "Starting", "Starting")
+        obj = ic(cluster, ns, "smollm2")
+        assert obj["status"]["readyReplicas"] == 0 and condition(obj, "Ready")["status"] == "False"
+        set_pod_status(cluster, ns, "smollm2-g0-s0-t0", running(ready=True))
+        wait_for(lambda: condition(ic(cluster, ns, "smollm2"), "Ready").get("status") == "True", "Ready")
+        status = ic(cluster, ns, "smollm2")["status"]
+        assert status["readyReplicas"] == 1 and status["replicas"] == 1 and status["updatedReplicas"] == 1
+        assert status["observedGeneration"] == obj["metadata"]["generation"]
+        assert status["endpoint"] == f"http://smollm2.{ns}.svc:8000/v1"
+        assert status["selector"] == "tessera.dev/cluster=smollm2,tessera.dev/role=leader"
+        assert condition(ic(cluster, ns, "smollm2"), "Progressing")["reason"] == "Complete"
+        table = cluster.kubectl("get", "ic", "-n", ns).stdout.split("\n")
+        assert table[0].split() == ["NAME", "REPLICAS", "READY", "TP", "PP", "MODEL", "AGE"]
+        assert table[1].split()[:6] == ["smollm2", "1", "1", "3", "2", "smollm2-135m-instruct"]
+
+
+def test_scale_adds_and_removes_whole_groups(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    with running_operator(cluster, ns), FakeKubelet(cluster, ns):
+        apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL)
+        wait_for(lambda: len(pod_names(cluster, ns)) == 4, "group 0")
+        cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=3")
+        wait_for(lambda: len(pod_names(cluster, ns)) == 12, "3 groups")
+        wait_for(lambda: ic(cluster, ns, "smollm2")["status"].get("readyReplicas") == 3, "3 ready groups")
+        scale_path = f"/apis/tessera.dev/v1alpha1/namespaces/{ns}/inferenceclusters/smollm2/scale"
+        scale = json.loads(cluster.kubectl("get", "--raw", scale_path).stdout)
+        assert scale["status"]["replicas"] == 3 and "tessera.dev/role=leader" in scale["status"]["selector"]
+        cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=1")
+        wait_for(lambda: {n.split("-")[1] for n in pod_names(cluster, ns)} == {"g0"}, "only group 0")
+        wait_for(lambda: ic(cluster, ns, "smollm2")["status"]["replicas"] == 1, "status.replicas 1")
+
+
+def test_failed_pod_restarts_its_whole_group_with_backoff(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    with running_operator(cluster, ns), FakeKubelet(cluster, ns):
+        apply_example(
+            cluster, ns, "smollm2-local.yaml", parallelism=SMALL, replicas=2, restartPolicy=FAST_RESTART
+        )
+        wait_for(
+            lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 2, "2 ready groups"
+        )
+        before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
+
+        set_pod_status(cluster, ns, "smollm2-g1-s1-t0", failed())
+        backing_off = wait_for(
+            lambda: [g for g in ic(cluster, ns, "smollm2")["status"]["groups"] if g["phase"] == "BackingOff"],
+            "group 1 backing off",
+        )
+        assert backing_off[0]["index"] == 1 and backing_off[0]["restarts"] == 1
+        assert backing_off[0]["backoffSeconds"] == 2 and "exit code 1" in backing_off[0]["lastFailure"]
+        degraded = condition(ic(cluster, ns, "smollm2"), "Degraded")
+        assert degraded["status"] == "True" and degraded["reason"] == "GroupRestarting"
+
+        def group1_recreated() -> bool:
+            now = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
+            g1 = [n for n in before if "-g1-" in n]
+            return all(n in now and now[n] != before[n] for n in g1)
+
+        wait_for(group1_recreated, "group 1 recreated (every pod, new uids)", timeout=30)
+        after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
+        assert all(after[n] == before[n] for n in before if "-g0-" in n), "group 0 must not restart"
+        events = kjson(cluster, "get", "events", "-n", ns, "--field-selector", "involvedObject.name=smollm2")[
+            "items"
+        ]
+        reasons = {e["reason"] for e in events}
+        assert {"GroupFailed", "GroupRestarted"} <= reasons
+
+        # A second failure doubles the delay: backoff, never a storm.
+        wait_for(lambda: ic(cluster, ns, "smollm2")["status"]["readyReplicas"] == 2, "ready again")
+        set_pod_status(cluster, ns, "smollm2-g1-s0-t1", failed(137))
+        second = wait_for(
+            lambda: [g for g in ic(cluster, ns, "smollm2")["status"]["groups"] if g["phase"] == "BackingOff"],
+            "second backoff",
+        )
+        assert second[0]["restarts"] == 2 and second[0]["backoffSeconds"] == 4
+
+
+def test_deleted_pod_and_edited_service_are_put_back(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    with running_operator(cluster, ns), FakeKubelet(cluster, ns):
+        apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL, restartPolicy=FAST_RESTART)
+        wait_for(lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 1, "ready")
+        cluster.kubectl("delete", "svc", "smollm2-ranks", "-n", ns)
+        cluster.kubectl(
+            "patch",
+            "svc",
+            "smollm2",
+            "-n",
+            ns,
+            "--type=merge",
+            "-p",
+            '{"spec":{"selector":{"tessera.dev/role":"worker"}}}',
+        )
+        wait_for(
+            lambda: kjson(cluster, "get", "svc", "smollm2-ranks", "-n", ns), "headless Service recreated"
+        )
+        wait_for(
+            lambda: (
+                kjson(cluster, "get", "svc", "smollm2", "-n", ns)["spec"]["selector"].get("tessera.dev/role")
+                == "leader"
+            ),
+            "client Service selector restored",
+        )
+        cluster.kubectl("delete", "pod", "smollm2-g0-s1-t1", "-n", ns, "--wait=false")
+        wait_for(
+            lambda: len(pod_names(cluster, ns)) == 4 and "smollm2-g0-s1-t1" in pod_names(cluster, ns),
+            "pod back",
+        )
+        group = ic(cluster, ns, "smollm2")["status"]["groups"][0]
+        assert "PodDeleted" in (
+            group.get("lastFailure") or ""
+        )  # a running group lost a rank: whole-group restart
+
+
+def test_operator_restart_creates_no_duplicates_and_removes_strays(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    with FakeKubelet(cluster, ns):
+        with running_operator(cluster, ns):
+            apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL, replicas=2)
+            wait_for(lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 2, "ready")
+        before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
+        stray = pods(cluster, ns)[0]
+        stray_pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "smollm2-intruder", "labels": stray["metadata"]["labels"]},
+            "spec": {"containers": [{"name": "x", "image": "busybox"}]},
+        }
+        cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(stray_pod))
+        with running_operator(cluster, ns) as operator:
+            wait_for(lambda: "smollm2-intruder" not in pod_names(cluster, ns), "stray removed")
+            time.sleep(3 * operator.resync)  # several resyncs
+            after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
+    assert after == before
+
+
+def test_deleting_the_cluster_garbage_collects_everything(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    with running_operator(cluster, ns):
+        apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL, replicas=2)
+        wait_for(lambda: len(pod_names(cluster, ns)) == 8, "8 pods")
+        cluster.kubectl("delete", "ic", "smollm2", "-n", ns)
+        wait_for(lambda: not pod_names(cluster, ns), "pods collected", timeout=60)
+        wait_for(
+            lambda: not kjson(cluster, "get", "svc", "-n", ns, "-l", "tessera.dev/cluster")["items"],
+            "services collected",
+        )

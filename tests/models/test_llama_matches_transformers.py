@@ -1,0 +1,145 @@
+"""Tessera's Llama-family forward over the paged cache equals transformers' forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tessera.models.loader import load_model
+
+from tests.fixtures.models import make_tiny_model_dir
+from tests.models.scenario import compare, reference_logits, run_scenario
+
+torch.set_num_threads(2)
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small, so the tiny head_dim has low-, medium- and high-frequency bands.
+    "original_max_position_embeddings": 64,
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "llama": {"arch": "llama"},
+    "qwen2-qkv-bias-tied": {"arch": "qwen2"},
+    # The scenario's sequences reach 21 tokens, so an 8-token window masks real keys.
+    "mistral-sliding-window": {"arch": "mistral", "sliding_window": 8},
+    "llama3-rope-scaling-tied": {"arch": "llama", "tie": True, "rope_parameters": LLAMA3_ROPE},
+}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), **VARIANTS[request.param])
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return folder, reference.eval()
+
+
+def test_fp32_logits_match_in_every_phase(variant: tuple[Path, Any]) -> None:
+    folder, reference = variant
+    model = load_model(folder, dtype=torch.float32, device=CPU)
+    driver, records = run_scenario(model, vocab=reference.config.vocab_size)
+    worst = compare(records, reference_logits(reference, driver))
+    assert set(worst) == {
+        "prefill batch",
+        "decode",
+        "mixed",
+        "mixed with cached context",
+        "decode after mixed",
+    }
+    assert max(worst.values()) < 1e-4, worst
+
+
+def test_bf16_runs_close_to_fp32_reference(variant: tuple[Path, Any]) -> None:
+    folder, reference = variant
+    model = load_model(folder, dtype=torch.bfloat16, device=CPU)
+    config = reference.config
+    assert model.kv_cache_spec == (
+        4,
+        config.num_key_value_heads,
+        config.hidden_size // config.num_attention_heads,
+    )
+    driver, records = run_scenario(model, vocab=reference.config.vocab_size)
+    assert driver.kv_caches[0].dtype == torch.bfloat16
+    reference_rows = reference_logits(reference, driver)
+    worst = compare(records, reference_rows)
+    # bf16 keeps ~3 significant digits; logits here span about +-3.5.
+    assert max(worst.values()) < 0.25, worst
+    agree = [
+        int(logits.argmax()) == int(reference_rows[name][position].argmax())
+        for _, name, position, logits in records
+    ]
+    assert sum(agree) / len(agree) > 0.9
+
+
+def test_sliding_window_changes_the_result(tmp_path: Path) -> None:
+    """Guards the Mistral variant above: the window really masks keys in this scenario."""
+    windowed = load_model(
+        make_tiny_model_dir(tmp_path / "w", arch="mistral", sliding_window=8), dtype=torch.float32, device=CPU
+    )
+    full = load_model(make_tiny_model_dir(tmp_path / "f", arch="mistral"), dtype=torch.float32, device=CPU)
+    _, with_window = run_scenario(windowed, vocab=512)
+    _, without_window = run_scenario(full, vocab=512)
+    late = [
+        (a[3] - b[3]).abs().max().item()
+        for a, b in zip(with_window, without_window, strict=True)
+        if a[2] >= 8
+    ]
+    early = [
+        (a[3] - b[3]).abs().max().item() for a, b in zip(with_window, without_window, strict=True) if a[2] < 8
+    ]
+    assert max(early) < 1e-5 and max(late) > 1e-2
+
+
+def test_model_interface(tiny_llama_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    model = load_model(tiny_llama_dir, dtype=torch.float32, device=CPU)
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    assert model.num_layers == config.num_hidden_layers == 4
+    assert model.kv_cache_spec == (
+        4,
+        config.num_key_value_heads,
+        config.hidden_size // config.num_attention_heads,
+    )
+    assert model.config.vocab_size == config.vocab_size
+    logits = model.compute_logits(torch.zeros(3, config.hidden_size))
+    assert logits.shape == (3, config.vocab_size) and logits.dtype == torch.float32
+
+
+def test_pipeline_stages_chain_to_the_full_model(tiny_llama_dir: Path) -> None:
+    from tessera.models.intermediate_tensors import IntermediateTensors
+
+    from tests.models.paged_harness import PagedDriver
+
+    full = load_model(tiny_llama_dir, dtype=torch.float32, device=CPU)
+    stages = [
+        load_model(
+            tiny_llama_dir, dtype=torch.float32, device=CPU, pp_rank=r, pp_size=2, layer_partition=[1, 3]
+        )
+        for r in range(2)
+    ]
+    assert [s.kv_cache_spec[0] for s in stages] == [1, 3]
+    assert stages[0].lm_head is None and stages[1].model.embed_tokens is None
+    # The tied-free last stage never read the embedding; the first never read the final norm.
+    assert stages[0].model.norm is None
+
+    prompt, follow_up = list(range(5, 18)), [40]
+    reference = PagedDriver(full)
+    expected = [reference.step([("s", prompt)]), reference.step([("s", follow_up)])]
+    drivers = [PagedDriver(stage) for stage in stages]  # same seed: same block placement
+    with torch.inference_mode():
+        for tokens, want in zip([prompt, follow_up], expected, strict=True):
+            ids, positions, metadata = drivers[0].prepare([("s", tokens)])
+            drivers[1].prepare([("s", tokens)])
+            handoff = stages[0](ids, positions, drivers[0].kv_caches, metadata)
+            assert isinstance(handoff, IntermediateTensors) and set(handoff) == {"hidden_states", "residual"}
+            hidden = stages[1](None, positions, drivers[1].kv_caches, metadata, handoff)
+            assert torch.allclose(stages[1].compute_logits(hidden), want, atol=1e-5)

@@ -1,0 +1,167 @@
+from typing import Any
+
+import pytest
+from tessera.topology import Topology
+from tessera_operator import builders, naming
+from tessera_operator.api import InferenceClusterSpec
+
+from tests.operator.sim import REF, spec_of
+
+
+def env_dict(pod: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_one_pod_per_stage_and_tp_rank_with_stable_dns_names() -> None:
+    spec = spec_of()
+    pods = builders.build_group(REF, spec, "rev1", 1)
+    names = [p["metadata"]["name"] for p in pods]
+    assert names == ["demo-g1-s0-t0", "demo-g1-s0-t1", "demo-g1-s1-t0", "demo-g1-s1-t1"]
+    for pod in pods:
+        assert pod["spec"]["hostname"] == pod["metadata"]["name"]
+        assert pod["spec"]["subdomain"] == "demo-ranks"
+        assert pod["spec"]["restartPolicy"] == "Never"
+        assert pod["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "tessera.dev/v1alpha1",
+                "kind": "InferenceCluster",
+                "name": "demo",
+                "uid": "uid-1",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    assert pods[3]["metadata"]["labels"] == {
+        "app.kubernetes.io/managed-by": "tessera-operator",
+        "tessera.dev/cluster": "demo",
+        "tessera.dev/group": "1",
+        "tessera.dev/stage": "1",
+        "tessera.dev/tp-rank": "1",
+        "tessera.dev/role": "worker",
+        "tessera.dev/revision": "rev1",
+    }
+    assert pods[0]["metadata"]["labels"]["tessera.dev/role"] == "leader"
+
+
+def test_env_is_the_runtime_topology_contract() -> None:
+    spec = spec_of(
+        parallelism={"tensor": 3, "pipeline": 2, "sequenceParallel": True, "layerPartition": [16, 14]}
+    )
+    pod = builders.build_pod(REF, spec, "rev1", 2, 1, 2)
+    env = env_dict(pod)
+    topology = Topology.from_env(env)  # the runtime's own reader accepts it
+    assert (topology.group, topology.pp_rank, topology.tp_rank, topology.rank) == (2, 1, 2, 5)
+    assert topology.world_size == 6 and topology.sequence_parallel
+    assert topology.layer_partition == [16, 14]
+    assert env["TESSERA_LEADER_ADDR"] == "demo-g2-s0-t0.demo-ranks.ns.svc" == env["MASTER_ADDR"]
+    assert env["PYTHONHASHSEED"] == "0"
+    assert env["TESSERA_CLUSTER"] == "demo" and env["TESSERA_NAMESPACE"] == "ns"
+
+
+def test_leader_serves_workers_follow_and_only_the_leader_has_a_readiness_probe() -> None:
+    spec = spec_of(
+        model={"source": "smollm2-135m-instruct", "servedName": "smollm2", "maxModelLen": 2048},
+        engine={"kvCacheMemory": "1Gi", "enablePrefixCaching": False},
+    )
+    leader, worker = builders.build_pod(REF, spec, "r", 0, 0, 0), builders.build_pod(REF, spec, "r", 0, 0, 1)
+    lc, wc = leader["spec"]["containers"][0], worker["spec"]["containers"][0]
+    assert lc["command"] == ["tessera", "serve"] and wc["command"] == ["tessera", "worker"]
+    assert lc["args"][0] == "smollm2-135m-instruct"
+    assert lc["args"][lc["args"].index("--served-model-name") + 1] == "smollm2"
+    assert wc["args"][wc["args"].index("--kv-cache-memory") + 1] == str(2**30)
+    assert "--no-enable-prefix-caching" in wc["args"] and "--max-model-len" in wc["args"]
+    assert lc["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "readinessProbe" not in wc
+    assert {p["name"] for p in lc["ports"]} == {"dist", "rpc", "http"}
+    assert {p["name"] for p in wc["ports"]} == {"dist", "rpc"}
+    assert leader["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert lc["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_template_fields_are_merged_and_gpus_added_per_rank() -> None:
+    spec = spec_of(
+        template={
+            "image": "registry/runtime-cuda:1",
+            "gpusPerRank": 1,
+            "resources": {"limits": {"memory": "64Gi"}},
+            "nodeSelector": {"gpu": "h100"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "env": [{"name": "HF_HOME", "value": "/cache"}, {"name": "TESSERA_RANK", "value": "7"}],
+            "volumes": [{"name": "cache", "emptyDir": {}}],
+            "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+            "affinity": {"nodeAffinity": {"x": 1}},
+        }
+    )
+    pod = builders.build_pod(REF, spec, "r", 0, 1, 0)
+    container = pod["spec"]["containers"][0]
+    assert container["image"] == "registry/runtime-cuda:1"
+    assert container["resources"] == {
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": 1},
+        "requests": {"nvidia.com/gpu": 1},
+    }
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    env = env_dict(pod)
+    assert env["HF_HOME"] == "/cache" and env["TESSERA_RANK"] == "2"  # the contract cannot be overridden
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm", "cache"]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/dev/shm", "/cache"]
+    assert pod["spec"]["affinity"]["nodeAffinity"] == {"x": 1}
+    assert spec.template.affinity == {"nodeAffinity": {"x": 1}}  # the spec itself is not mutated
+
+
+@pytest.mark.parametrize("mode", ["preferred", "required", "none"])
+def test_tp_ranks_of_a_stage_are_co_located(mode: str) -> None:
+    spec = spec_of(placement={"mode": mode, "topologyKey": "topology.kubernetes.io/zone"})
+    pod = builders.build_pod(REF, spec, "r", 3, 1, 1)
+    affinity = pod["spec"].get("affinity")
+    if mode == "none":
+        assert affinity is None
+        return
+    term_selector = {"tessera.dev/cluster": "demo", "tessera.dev/group": "3", "tessera.dev/stage": "1"}
+    if mode == "required":
+        [term] = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    else:
+        [weighted] = affinity["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        term = weighted["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"] == term_selector
+    assert term["topologyKey"] == "topology.kubernetes.io/zone"
+
+
+def test_revision_changes_with_pod_affecting_fields_only() -> None:
+    base = builders.revision_of(spec_of())
+    assert base == builders.revision_of(spec_of())
+    assert base == builders.revision_of(spec_of(replicas=5, rollout={"maxSurge": 2}))
+    assert base == builders.revision_of(spec_of(restartPolicy={"backoffBaseSeconds": 1}))
+    assert base != builders.revision_of(spec_of(template={"image": "other"}))
+    assert base != builders.revision_of(spec_of(engine={"maxNumSeqs": 4}))
+    assert base != builders.revision_of(spec_of(parallelism={"tensor": 1, "pipeline": 2}))
+
+
+def test_services_headless_for_rendezvous_and_client_for_ready_leaders() -> None:
+    headless, client = builders.build_headless_service(REF), builders.build_client_service(REF)
+    assert headless["metadata"]["name"] == naming.headless_service_name("demo")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"] == {"tessera.dev/cluster": "demo"}
+    assert client["spec"]["selector"] == {"tessera.dev/cluster": "demo", "tessera.dev/role": "leader"}
+    assert "publishNotReadyAddresses" not in client["spec"]
+    assert builders.endpoint_of(REF) == "http://demo.ns.svc:8000/v1"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("2Gi", 2 * 2**30), ("512Mi", 512 * 2**20), ("1e9", 10**9), ("1500", 1500), ("2G", 2 * 10**9)],
+)
+def test_quantities(text: str, value: int) -> None:
+    assert builders.quantity_to_bytes(text) == value
+
+
+def test_defaults_match_the_minimal_design_object() -> None:
+    spec = InferenceClusterSpec.model_validate(
+        {
+            "model": {"source": "smollm2-135m-instruct", "servedName": "smollm2"},
+            "parallelism": {"tensor": 3, "pipeline": 2, "sequenceParallel": True},
+            "replicas": 1,
+        }
+    )
+    assert len(builders.build_group(REF, spec, "r", 0)) == 6
+    assert spec.rollout.max_unavailable == 1 and spec.autoscaling is None

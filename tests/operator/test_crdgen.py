@@ -1,0 +1,71 @@
+from pathlib import Path
+from typing import Any
+
+from tessera_operator import crdgen
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def walk(node: Any, path: str = "") -> list[tuple[str, str]]:
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found.append((path, key))
+            found += walk(value, f"{path}.{key}")
+    elif isinstance(node, list):
+        for item in node:
+            found += walk(item, path)
+    return found
+
+
+def test_committed_crd_matches_the_pydantic_models() -> None:
+    committed = (ROOT / "crds" / crdgen.CRD_FILENAME).read_text()
+    assert committed == crdgen.render(), "crds/ is stale: run `make crds`"
+
+
+def test_schema_is_structural() -> None:
+    schema = crdgen.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    keys = {key for _, key in walk(schema)}
+    assert not keys & {"$ref", "anyOf", "oneOf", "allOf", "$defs", "title", "const"}
+    # every node with properties declares its type; exclusive bounds are OpenAPI v3.0 booleans
+    for node_path, key in walk(schema):
+        assert key != "exclusiveMinimum" or node_path.endswith("targetQueueDepth")
+    spec = schema["properties"]["spec"]
+    assert spec["required"] == ["model"]
+    par = spec["properties"]["parallelism"]
+    assert par["default"] == {}
+    assert par["properties"]["tensor"] == {
+        "default": 1,
+        "description": "Tensor-parallel ranks per pipeline stage.",
+        "maximum": 64,
+        "minimum": 1,
+        "type": "integer",
+    }
+    assert spec["properties"]["placement"]["properties"]["mode"]["enum"] == ["preferred", "required", "none"]
+    assert spec["properties"]["template"]["properties"]["tolerations"]["items"] == {
+        "type": "object",
+        "x-kubernetes-preserve-unknown-fields": True,
+    }
+    assert "default" not in spec["properties"]["autoscaling"]  # absent means off
+    target = spec["properties"]["autoscaling"]["properties"]["targetQueueDepth"]
+    assert target["minimum"] == 0 and target["exclusiveMinimum"] is True
+
+
+def test_scale_subresource_printer_columns_and_names() -> None:
+    crd = crdgen.build_crd()
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert version["subresources"]["status"] == {}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Replicas", "Ready", "TP", "PP", "Model", "Age"]
+    assert crd["spec"]["names"]["shortNames"] == ["ic"]
+    assert crd["metadata"]["name"] == "inferenceclusters.tessera.dev"
+
+
+def test_crdgen_cli_writes_the_file(tmp_path: Path) -> None:
+    crdgen.main(["--out", str(tmp_path)])
+    assert (tmp_path / crdgen.CRD_FILENAME).read_text() == crdgen.render()

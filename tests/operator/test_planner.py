@@ -1,0 +1,166 @@
+"""Reconciliation decisions on a pure simulation: creation, idempotence, restart, scale, rollout."""
+
+from tessera_operator.api import RestartPolicySpec
+from tessera_operator.restart import backoff_seconds
+
+from tests.operator.sim import Sim, spec_of
+
+
+def test_first_pass_creates_every_group_and_a_second_pass_nothing() -> None:
+    sim = Sim(spec_of(replicas=2))
+    first = sim.step()
+    assert first.create_groups == [0, 1] and not first.delete_pods
+    assert len(sim.pods) == 8
+    again = sim.step()  # pods exist, nothing started: nothing to do (an operator restart is the same)
+    assert again.create_groups == [] and again.delete_pods == []
+
+
+def test_ready_comes_from_the_leader_probe_not_from_running_pods() -> None:
+    sim = Sim(spec_of())
+    sim.step()
+    sim.run_all(ready=False)
+    sim.step()
+    assert sim.status.ready_replicas == 0
+    assert sim.condition("Ready").status == "False"
+    assert sim.status.groups[0].phase == "Starting"
+    sim.run_all(ready=True)
+    sim.step()
+    assert sim.status.ready_replicas == 1 and sim.condition("Ready").status == "True"
+    assert sim.condition("Progressing").status == "False"
+    assert sim.status.groups[0].phase == "Ready"
+
+
+def test_a_failed_rank_restarts_the_whole_group_with_exponential_backoff() -> None:
+    sim = Sim(spec_of(replicas=2, restartPolicy={"backoffBaseSeconds": 2, "backoffMaxSeconds": 5}))
+    sim.converge()
+    delays = []
+    for _ in range(4):
+        sim.fail("demo-g1-s1-t0")
+        decision = sim.step()
+        assert sorted(decision.delete_pods) == [
+            "demo-g1-s0-t0",
+            "demo-g1-s0-t1",
+            "demo-g1-s1-t0",
+            "demo-g1-s1-t1",
+        ]
+        assert [e.reason for e in decision.events] == ["GroupFailed"]
+        group = sim.status.groups[1]
+        assert group.phase == "BackingOff" and "exit code 1" in (group.last_failure or "")
+        assert sim.condition("Degraded").status == "True"
+        delays.append(group.backoff_seconds)
+        # before the deadline nothing is recreated, however often we look
+        assert sim.step().create_groups == [] and sim.step().create_groups == []
+        assert decision.requeue_after == group.backoff_seconds
+        sim.now += group.backoff_seconds or 0
+        assert sim.step().create_groups == [1]
+        assert [e.reason for e in sim.last.events] == ["GroupRestarted"]
+        sim.converge()
+        assert set(sim.groups()) == {0, 1}
+    assert delays == [2, 4, 5, 5]
+    assert sim.status.groups[1].restarts == 4 and sim.status.groups[0].restarts == 0
+    assert sim.condition("Degraded").status == "False"
+
+
+def test_backoff_resets_after_the_group_stayed_ready_long_enough() -> None:
+    policy = {"backoffBaseSeconds": 1, "backoffMaxSeconds": 100, "resetAfterSeconds": 60}
+    sim = Sim(spec_of(restartPolicy=policy))
+    sim.converge()
+    for _ in range(3):
+        sim.fail("demo-g0-s0-t0")
+        sim.step()
+        sim.now += 100
+        sim.converge()
+    assert sim.status.groups[0].restarts == 3
+    sim.now += 61
+    sim.step()
+    sim.fail("demo-g0-s0-t0")
+    sim.step()
+    assert sim.status.groups[0].restarts == 1 and sim.status.groups[0].backoff_seconds == 1
+
+
+def test_a_deleted_pod_of_a_running_group_restarts_the_group_but_a_missing_one_at_creation_does_not() -> None:
+    sim = Sim(spec_of())
+    sim.step()
+    del sim.pods["demo-g0-s1-t1"]  # never started: just create it
+    assert sim.step().create_groups == [0] and "demo-g0-s1-t1" in sim.pods
+    sim.converge()
+    del sim.pods["demo-g0-s1-t1"]
+    decision = sim.step()
+    assert len(decision.delete_pods) == 3
+    assert "PodDeleted" in (sim.status.groups[0].last_failure or "")
+
+
+def test_scale_adds_and_removes_whole_groups_and_strays_go() -> None:
+    sim = Sim(spec_of(replicas=1))
+    sim.converge()
+    sim.spec = spec_of(replicas=3)
+    sim.converge()
+    assert set(sim.groups()) == {0, 1, 2} and len(sim.pods) == 12
+    sim.spec = spec_of(replicas=1)
+    decision = sim.step()
+    assert len(decision.delete_pods) == 8 and set(sim.groups()) == {0}
+    assert [g.index for g in sim.status.groups] == [0]
+    stray = dict(sim.pods["demo-g0-s0-t0"])
+    stray["metadata"] = {**stray["metadata"], "name": "demo-extra"}
+    sim.pods["demo-extra"] = stray
+    assert sim.step().delete_pods == ["demo-extra"]
+
+
+def rollout_trace(sim: Sim, new_spec: object, max_steps: int = 40) -> list[tuple[int, int]]:
+    """Roll to new_spec; record (groups existing, groups ready) after every step."""
+    sim.spec = new_spec  # type: ignore[assignment]
+    trace = []
+    for _ in range(max_steps):
+        sim.step()
+        sim.run_all()
+        ready = sum(1 for g in sim.status.groups if g.ready)
+        trace.append((len(sim.groups()), ready))
+        target = sim.status.update_revision
+        if (
+            all(revs == {target} for revs in sim.groups().values())
+            and len(sim.groups()) == sim.spec.replicas
+            and sim.condition("Progressing").status == "False"
+        ):
+            return trace
+    raise AssertionError(f"rollout did not finish: {trace}")
+
+
+def test_rolling_update_with_max_unavailable_one_replaces_one_group_at_a_time() -> None:
+    sim = Sim(spec_of(replicas=3))
+    sim.converge()
+    old = sim.status.update_revision
+    trace = rollout_trace(sim, spec_of(replicas=3, template={"image": "v2"}))
+    assert all(ready >= 2 for _, ready in trace[:-1] if _ == 3)  # never more than one group down
+    assert sim.status.updated_replicas == 3 and sim.status.current_revision != old
+
+
+def test_replicas_one_with_max_surge_one_never_drops_to_zero_and_finishes() -> None:
+    rollout = {"maxUnavailable": 0, "maxSurge": 1}
+    sim = Sim(spec_of(replicas=1, rollout=rollout))
+    sim.converge()
+    trace = rollout_trace(sim, spec_of(replicas=1, rollout=rollout, template={"image": "v2"}))
+    assert all(ready >= 1 for _, ready in trace)
+    assert max(groups for groups, _ in trace) == 2  # the surge group existed
+    assert set(sim.groups()) == {0}
+
+
+def test_rollout_waits_for_new_groups_to_become_ready() -> None:
+    rollout = {"maxUnavailable": 0, "maxSurge": 1}
+    sim = Sim(spec_of(replicas=2, rollout=rollout))
+    sim.converge()
+    sim.spec = spec_of(replicas=2, rollout=rollout, template={"image": "v2"})
+    for _ in range(5):
+        sim.step()
+        sim.run_all()
+        for pod in sim.pods.values():  # new pods run but never get Ready
+            if pod["metadata"]["labels"]["tessera.dev/revision"] == sim.status.update_revision:
+                pod["status"].pop("conditions", None)
+    revisions = sim.groups()
+    old = {g for g, revs in revisions.items() if sim.status.update_revision not in revs}
+    assert old == {0, 1}  # nothing old was torn down; capacity kept
+    assert sim.condition("Progressing").reason == "RollingUpdate"
+
+
+def test_backoff_formula() -> None:
+    policy = RestartPolicySpec(backoff_base_seconds=10, backoff_max_seconds=300)
+    assert [backoff_seconds(n, policy) for n in range(1, 7)] == [10, 20, 40, 80, 160, 300]

@@ -1,0 +1,101 @@
+"""Start a real `tessera serve` subprocess on a free loopback port, for the serving tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key-123"
+MODEL_NAME = "tiny"
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    def __init__(self, model: Path | str, *extra_args: str, api_key: str | None = API_KEY, log: Path) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        args = [sys.executable, "-m", "tessera.cli", "serve", str(model), "--host", "127.0.0.1"]
+        args += [
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            MODEL_NAME,
+            "--num-threads",
+            "1",
+            *extra_args,
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("TESSERA_API_KEY", None)
+        if api_key is not None:
+            args += ["--api-key", api_key]
+        self.log_path = log
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log_path.read_text()}")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def engine_core_pid(self) -> int:
+        """The spawned engine core: the server's child started by multiprocessing's spawn_main."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.pid and b"spawn_main" in cmdline:
+                return int(entry.name)
+        raise LookupError("engine core process not found")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float | None:
+    """The value of `name{...labels...}` in a Prometheus text exposition (labels: a substring)."""
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in "{ ") and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None

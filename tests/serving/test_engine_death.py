@@ -1,0 +1,79 @@
+"""Overload answers 503 + Retry-After; a killed engine core fails its callers fast and stops the server.
+
+Own server: one running sequence at most (--max-num-seqs 1) and no waiting room
+(--max-waiting-requests 0), and this module kills its engine core at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.server import MODEL_NAME, ServerProcess, metric_value
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("small-server") / "server.log"
+    args = ["--max-model-len", "512", "--max-num-seqs", "1", "--max-waiting-requests", "0"]
+    proc = ServerProcess(tiny_llama_dir, *args, api_key=None, log=log)
+    yield proc
+    proc.stop()
+
+
+def long_stream(client: openai.OpenAI, prompt: str) -> openai.Stream:  # type: ignore[type-arg]
+    return client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
+
+
+def test_waiting_queue_over_limit_is_503_with_retry_after(small_server: ServerProcess) -> None:
+    client = openai.OpenAI(
+        base_url=f"{small_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    running = long_stream(client, "first")
+    next(iter(running))  # it has a token: it is running (the only slot)
+    waiting = long_stream(client, "second")  # admitted (nobody waits yet); it waits for the slot
+    response = httpx.post(
+        f"{small_server.base_url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "third", "max_tokens": 2},
+    )
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) >= 1
+    assert response.json()["error"]["code"] == 503
+    running.close()
+    waiting.close()
+
+
+def test_killed_engine_core_fails_the_caller_and_exits_the_server(small_server: ServerProcess) -> None:
+    client = openai.OpenAI(
+        base_url=f"{small_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    # Earlier streams were closed: wait until their aborts freed the slot.
+    deadline = time.monotonic() + 30
+    while (
+        metric_value(httpx.get(f"{small_server.base_url}/metrics").text, "tessera:num_requests_running") != 0
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    stream = long_stream(client, "Once upon a time")
+    chunks = iter(stream)
+    next(chunks)
+    os.kill(small_server.engine_core_pid(), signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - killed_at < 10
+    # The server reports itself unhealthy (if still up), then exits non-zero for its supervisor.
+    with contextlib.suppress(httpx.TransportError):  # already gone is fine too
+        assert httpx.get(f"{small_server.base_url}/health", timeout=2).status_code == 503
+    assert small_server.proc.wait(timeout=30) != 0

@@ -1,0 +1,102 @@
+"""Bad input is always a 4xx in OpenAI's error format, never a 500 (live server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.server import MODEL_NAME, ServerProcess
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature"),
+        ("/v1/completions", {"prompt": 42}, "prompt"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": [999999]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 5},
+            None,
+        ),
+    ],
+)
+def test_invalid_parameters_are_400(
+    server: ServerProcess, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    response = httpx.post(
+        f"{server.base_url}{path}", json={"model": MODEL_NAME, **body}, headers=server.headers
+    )
+    error = assert_openai_error(response, 400)
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param)
+
+
+def test_over_long_prompt_is_400(server: ServerProcess) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time " * 200}  # far over --max-model-len 128
+    error = assert_openai_error(
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers), 400
+    )
+    assert "context length" in error["message"]
+
+
+def test_malformed_json_is_400(server: ServerProcess) -> None:
+    headers = {**server.headers, "content-type": "application/json"}
+    response = httpx.post(
+        f"{server.base_url}/v1/completions", content=b'{"model": "tiny", "prompt": ', headers=headers
+    )
+    assert_openai_error(response, 400)
+
+
+def test_unknown_model_is_404(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert info.value.status_code == 404
+    assert "no-such-model" in info.value.message
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"])
+def test_missing_or_wrong_api_key_is_401(server: ServerProcess, key: str | None) -> None:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    body = {"model": MODEL_NAME, "prompt": "hi"}
+    error = assert_openai_error(
+        httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers), 401
+    )
+    assert server.api_key not in error["message"]
+    # The openai client refuses to send no key at all: it gets a wrong one.
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key or "not-the-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_health_and_metrics_need_no_key(server: ServerProcess) -> None:
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+
+
+def test_unknown_route_is_openai_404(server: ServerProcess) -> None:
+    assert_openai_error(httpx.get(f"{server.base_url}/v1/nothing-here", headers=server.headers), 404)

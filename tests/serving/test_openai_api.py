@@ -1,0 +1,244 @@
+"""The OpenAI-compatible API through the official `openai` client against a live `tessera serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.server import MODEL_NAME, ServerProcess, metric_value
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+
+
+def test_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
+    kwargs = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.0}
+    full = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    choice = full.choices[0]
+    assert choice.finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 0
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+    stream = client.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_stream_ends_with_done(server: ServerProcess) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "stream": True}
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+
+
+def test_chat_completion_and_stream(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 10
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=10,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+
+def test_n_seed_logprobs_and_stop(client: openai.OpenAI) -> None:
+    kwargs = {
+        "model": MODEL_NAME,
+        "prompt": "The quick brown fox",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 7,
+    }
+    first = client.completions.create(**kwargs, n=3, logprobs=2)
+    again = client.completions.create(**kwargs, n=3, logprobs=2)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    for choice in first.choices:
+        assert choice.logprobs is not None
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs)
+        assert all(lp <= 0.0 for lp in choice.logprobs.token_logprobs)
+        assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    # A stop string taken from the greedy output cuts it there.
+    greedy = client.completions.create(
+        model=MODEL_NAME,
+        prompt="The quick brown fox",
+        max_tokens=16,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    text = greedy.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    if stop.strip():
+        cut = client.completions.create(
+            model=MODEL_NAME, prompt="The quick brown fox", max_tokens=16, temperature=0.0, stop=[stop]
+        )
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].text == text[: text.index(stop)]
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=0.0,
+    )
+    content = reply.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) == 3 for t in content)
+    # Greedy: the sampled token is the most likely one.
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4) for t in content)
+
+
+async def test_32_concurrent_streams_complete(server: ServerProcess) -> None:
+    client = openai.AsyncOpenAI(
+        base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=120
+    )
+
+    async def one(i: int) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"Request number {i}:",
+            max_tokens=16,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        text, tokens = "", 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return text, tokens
+
+    results = await asyncio.gather(*(one(i) for i in range(32)))
+    assert all(tokens == 16 for _, tokens in results)
+    # Each streamed text equals the same prompt's non-streamed greedy text.
+    for i in (0, 17, 31):
+        full = await client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"Request number {i}:",
+            max_tokens=16,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert results[i][0] == full.choices[0].text
+    await client.close()
+
+
+def test_greedy_equals_offline_llm(
+    server: ServerProcess, client: openai.OpenAI, tiny_llama_dir: object
+) -> None:
+    from tessera.entrypoints.llm import LLM
+    from tessera.sampling_params import SamplingParams
+
+    prompts = ["Once upon a time", "def add(a, b):", "Tensor parallelism splits"]
+    served = [
+        client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=20, temperature=0.0).choices[0].text
+        for p in prompts
+    ]
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, num_threads=1)
+    offline = [
+        o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))
+    ]
+    llm.engine.shutdown()
+    assert served == offline
+
+
+def test_disconnect_aborts_and_frees_kv_cache(server: ServerProcess) -> None:
+    def metrics() -> str:
+        return httpx.get(f"{server.base_url}/metrics").text
+
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 100,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    before = metrics()
+    aborted_before = metric_value(before, "tessera:request_success_total", "abort") or 0
+    tokens_before = metric_value(before, "tessera:generation_tokens_total") or 0
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json=body, headers=server.headers
+    ) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: {") for line in received)
+        usage = metric_value(metrics(), "tessera:kv_cache_usage_perc")
+        assert usage is not None and usage > 0
+    # The client is gone: the server must abort the request and free its blocks.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = metrics()
+        aborted = metric_value(text, "tessera:request_success_total", "abort") or 0
+        if aborted == aborted_before + 1 and metric_value(text, "tessera:kv_cache_usage_perc") == 0.0:
+            break
+        time.sleep(0.1)
+    assert metric_value(text, "tessera:request_success_total", "abort") == aborted_before + 1
+    assert metric_value(text, "tessera:kv_cache_usage_perc") == 0.0
+    assert metric_value(text, "tessera:num_requests_running") == 0.0
+    # It stopped well before the 100 tokens it asked for.
+    assert (metric_value(text, "tessera:generation_tokens_total") or 0) - tokens_before < 100
+
+
+def test_metrics_names_mirror_vllm(server: ServerProcess) -> None:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "num_preemptions_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_bucket",
+        "e2e_request_latency_seconds_bucket",
+        "request_queue_time_seconds_bucket",
+    ):
+        assert f"tessera:{name}" in text, name
+    assert (metric_value(text, "tessera:generation_tokens_total") or 0) > 0
