@@ -246,7 +246,7 @@ def plot(name: str, runs: list[RunResult], tessera: RunResult | None, best_hf: R
     ):
         values = [getattr(run, metric) for run in runs]
         bars = ax.bar(labels, values, color=colours)
-        ax.bar_label(bars, fmt="%.0f")
+        ax.bar_label(bars, fmt="%.1f")
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=30)
         if best_hf is not None:
@@ -294,7 +294,15 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.batch_sizes = 16, [8, 16]
     batch_sizes = sorted({min(b, args.num_requests) for b in args.batch_sizes})
-    name = "offline_throughput_quick" if args.quick else "offline_throughput"
+    # Only the standard workload writes the canonical result file.
+    name = "offline_throughput"
+    if args.quick:
+        name += "_quick"
+    else:
+        if args.num_requests != 64:
+            name += f"_n{args.num_requests}"
+        if batch_sizes != [8, 16, 32, 64]:
+            name += "_bs" + "-".join(map(str, batch_sizes))
 
     from tessera.models.registry import resolve_model
     from transformers import AutoConfig, AutoTokenizer

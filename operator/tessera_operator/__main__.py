@@ -26,6 +26,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=CONFIG.workers, help="clusters reconciled at once")
     parser.add_argument("--concurrency", type=int, default=CONFIG.concurrency, help="API requests in flight")
     parser.add_argument("--resync-seconds", type=float, default=CONFIG.resync_seconds)
+    parser.add_argument(
+        "--min-interval",
+        type=float,
+        default=CONFIG.min_interval_seconds,
+        help="seconds between passes per cluster",
+    )
     parser.add_argument("--webhook-port", type=int, default=CONFIG.webhook_port, help="serve the webhook")
     parser.add_argument("--webhook-addr", default=CONFIG.webhook_addr)
     parser.add_argument("--webhook-host", default=CONFIG.webhook_host, help="hostname the API server calls")
@@ -52,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     CONFIG.workers = args.workers
     CONFIG.concurrency = args.concurrency
     CONFIG.resync_seconds = args.resync_seconds
+    CONFIG.min_interval_seconds = args.min_interval
     CONFIG.webhook_port = args.webhook_port
     CONFIG.webhook_addr = args.webhook_addr
     CONFIG.webhook_host = args.webhook_host

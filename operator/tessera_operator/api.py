@@ -201,9 +201,9 @@ GroupPhase = Literal["Pending", "Starting", "Ready", "Failed", "BackingOff", "Up
 
 class GroupStatus(Wire):
     index: int = Field(description="Replica group index.")
-    revision: str = Field(default="", description="Revision of the group's pods.")
+    revision: str | None = Field(default=None, description="Revision of the group's pods.")
     phase: GroupPhase = Field(default="Pending", description="Lifecycle phase of the group.")
-    pods: int = Field(default=0, description="Pods of the group that exist.")
+    pods: int = Field(default=0, description="Pods of the group (existing, or created by the last pass).")
     ready: bool = Field(default=False, description="The leader's readiness probe passes.")
     restarts: int = Field(default=0, description="Consecutive group restarts (drives the backoff).")
     last_failure: str | None = Field(default=None, description="Reason of the last failure.")
@@ -227,7 +227,10 @@ class InferenceClusterStatus(Wire):
     replicas: int = Field(default=0, description="Groups that exist (including surge groups).")
     ready_replicas: int = Field(default=0, description="Groups whose leader is Ready.")
     updated_replicas: int = Field(default=0, description="Groups at the current revision.")
-    selector: str = Field(default="", description="Label selector of the leader pods (scale subresource).")
+    # No empty-string defaults: Kubernetes 1.20 turns them into null and rejects the write.
+    selector: str | None = Field(
+        default=None, description="Label selector of the leader pods (scale subresource)."
+    )
     current_revision: str | None = Field(default=None, description="Revision every group runs once settled.")
     update_revision: str | None = Field(default=None, description="Revision of the current spec.")
     endpoint: str | None = Field(

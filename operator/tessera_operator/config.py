@@ -20,6 +20,8 @@ def _int(name: str, default: int) -> int:
 @dataclass
 class OperatorConfig:
     resync_seconds: float = field(default_factory=lambda: _float("TESSERA_OPERATOR_RESYNC_SECONDS", 30.0))
+    # A cluster is reconciled at most this often on events (its own writes' echoes fold together).
+    min_interval_seconds: float = field(default_factory=lambda: _float("TESSERA_OPERATOR_MIN_INTERVAL", 0.5))
     workers: int = field(default_factory=lambda: _int("TESSERA_OPERATOR_WORKERS", 16))
     # Concurrent API requests: the API server's default in-flight limit is 200 mutating.
     concurrency: int = field(default_factory=lambda: _int("TESSERA_OPERATOR_CONCURRENCY", 64))

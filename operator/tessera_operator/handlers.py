@@ -37,7 +37,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         namespace, name = key
         return await reconciler.reconcile(namespace, name)
 
-    queue = WorkQueue(handle, workers=CONFIG.workers)
+    queue = WorkQueue(handle, workers=CONFIG.workers, min_interval=CONFIG.min_interval_seconds)
     queue.start()
     memo["client"], memo["queue"] = client, queue
     logging.getLogger("tessera_operator").info(

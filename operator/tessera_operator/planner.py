@@ -93,6 +93,7 @@ def _plan_group(
     result: Plan,
 ) -> GroupStatus:
     index = obs.index
+    size = spec.parallelism.tensor * spec.parallelism.pipeline  # `pods` counts what exists after this pass
     if status.phase == "BackingOff":
         wait = seconds_until_restart(status, now)
         if wait > 0 or obs.pods or obs.terminating:
@@ -108,7 +109,7 @@ def _plan_group(
             )
         )
         return status.model_copy(
-            update={"phase": "Pending", "revision": revision, "pods": 0, "next_restart_time": None}
+            update={"phase": "Pending", "revision": revision, "pods": size, "next_restart_time": None}
         )
 
     replacing = replace or (status.phase == "Updating" and obs.revision != revision)

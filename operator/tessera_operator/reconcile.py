@@ -73,8 +73,6 @@ class Reconciler:
         status = build_status(
             name, generation, spec, revision, decision, builders.endpoint_of(ref), previous, now
         )
-        await self.write_status(ic_path, previous, status)
-
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
         existing = {p["metadata"]["name"] for p in pods}
         to_create = [
@@ -83,11 +81,18 @@ class Reconciler:
             for pod in builders.build_group(ref, spec, revision, index)
             if pod["metadata"]["name"] not in existing
         ]
-        await asyncio.gather(
-            *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
+        writes = [
             *(self.create(core_path(namespace, "pods"), pod) for pod in to_create),
             self.ensure_services(ref, services),
-        )
+        ]
+        if decision.delete_pods:
+            # Intent first: a backoff deadline or an Updating mark must survive a crash mid-pass.
+            await self.write_status(ic_path, previous, status)
+            await asyncio.gather(
+                *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods), *writes
+            )
+        else:
+            await asyncio.gather(self.write_status(ic_path, previous, status), *writes)
         await self.post_events(ref, decision.events)
         if decision.events:
             log.info("%s/%s: %s", namespace, name, "; ".join(e.message for e in decision.events))

@@ -3,6 +3,8 @@
 Many events for one cluster collapse into one pending key; a key is never processed by two
 workers at once (a key added while it is processed runs again right after); delayed re-adds
 implement resyncs and backoff deadlines; failures retry with a capped exponential delay.
+A key is not processed again sooner than `min_interval` after its last pass: the burst of
+events our own writes cause (pods ADDED, status MODIFIED) folds into one follow-up pass.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ Handler = Callable[[Key], Awaitable[float | None]]
 
 
 class WorkQueue:
-    def __init__(self, handler: Handler, workers: int = 16, max_retry_delay: float = 30.0) -> None:
+    def __init__(
+        self, handler: Handler, workers: int = 16, max_retry_delay: float = 30.0, min_interval: float = 0.0
+    ) -> None:
         self._handler = handler
+        self._min_interval = min_interval
+        self._last_done: dict[Key, float] = {}
         self._workers = workers
         self._max_retry_delay = max_retry_delay
         self._queue: asyncio.Queue[Key] = asyncio.Queue()
@@ -31,11 +37,13 @@ class WorkQueue:
         self._tasks: list[asyncio.Task[None]] = []
 
     def add(self, key: Key) -> None:
-        if key in self._processing:
-            self._dirty.add(key)
-        elif key not in self._queued:
-            self._queued.add(key)
-            self._queue.put_nowait(key)
+        last = self._last_done.get(key)
+        if last is not None and self._min_interval > 0 and key not in self._processing:
+            wait = last + self._min_interval - asyncio.get_running_loop().time()
+            if wait > 0:
+                self.add_after(key, wait)
+                return
+        self._enqueue(key)
 
     def add_after(self, key: Key, delay: float) -> None:
         """Look at `key` again after `delay` seconds; an earlier pending deadline wins."""
@@ -50,13 +58,21 @@ class WorkQueue:
 
     def _fire(self, key: Key) -> None:
         self._timers.pop(key, None)
-        self.add(key)
+        self._enqueue(key)
+
+    def _enqueue(self, key: Key) -> None:
+        if key in self._processing:
+            self._dirty.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
 
     def forget(self, key: Key) -> None:
         timer = self._timers.pop(key, None)
         if timer is not None:
             timer.cancel()
         self._failures.pop(key, None)
+        self._last_done.pop(key, None)
 
     def start(self) -> None:
         self._tasks = [
@@ -79,6 +95,7 @@ class WorkQueue:
             key = await self._queue.get()
             self._queued.discard(key)
             self._processing.add(key)
+            forget = False
             try:
                 requeue = await self._handler(key)
             except asyncio.CancelledError:
@@ -92,11 +109,15 @@ class WorkQueue:
             else:
                 self._failures.pop(key, None)
                 if requeue is None:
-                    self.forget(key)
+                    forget = True
                 else:
                     self.add_after(key, requeue)
             finally:
                 self._processing.discard(key)
+                if forget:
+                    self.forget(key)
+                else:
+                    self._last_done[key] = asyncio.get_running_loop().time()
                 if key in self._dirty:
                     self._dirty.discard(key)
                     self.add(key)

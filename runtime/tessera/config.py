@@ -10,7 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="alias (e.g. smollm2-135m-instruct), local Hugging Face folder, or .gguf file")
+    model: str = Field(
+        description="alias (e.g. smollm2-135m-instruct), local Hugging Face folder, or .gguf file"
+    )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context length")
     max_num_seqs: int = Field(128, ge=1)
@@ -31,11 +33,12 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    "max_num_batched_tokens must be >= max_model_len when chunked prefill is off"
-                )
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off")
         if self.sequence_parallel and self.tensor_parallel_size < 2:
             raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
         return self

@@ -47,7 +47,7 @@ def split_layers(num_layers: int, pp_size: int, partition: list[int] | None = No
             raise TopologyError(f"cannot split {num_layers} layers into {pp_size} pipeline stages")
         base, remainder = divmod(num_layers, pp_size)
         sizes = [base] * pp_size
-        middle = list(range(1, pp_size - 1)) + [0]
+        middle = [*range(1, pp_size - 1), 0]
         for stage in middle[:remainder]:
             sizes[stage] += 1
     ranges, start = [], 0
@@ -63,7 +63,9 @@ def parse_partition(text: str | None) -> list[int] | None:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError as exc:
-        raise TopologyError(f"TESSERA_LAYER_PARTITION must be comma-separated integers, got {text!r}") from exc
+        raise TopologyError(
+            f"TESSERA_LAYER_PARTITION must be comma-separated integers, got {text!r}"
+        ) from exc
 
 
 class Topology(BaseModel):

@@ -1,7 +1,6 @@
 """Block pool and KV cache manager: reference counts, prefix hits, LRU eviction, freeing."""
 
 import pytest
-
 from tessera.core.block_pool import BlockPool
 from tessera.core.kv_cache_manager import KVCacheManager
 from tessera.core.request import Request
@@ -40,7 +39,7 @@ def test_prefix_hit_is_shared_and_capped_below_the_last_token():
     hits, num_hit = kv.get_computed_blocks(same)
     assert num_hit == 4 and [b.block_id for b in hits] == kv.block_ids("a")[:1]
     # Longer prompt with the same 8-token prefix: both blocks hit.
-    longer = make_request("c", list(range(8)) + [99, 98])
+    longer = make_request("c", [*list(range(8)), 99, 98])
     hits, num_hit = kv.get_computed_blocks(longer)
     assert num_hit == 8
     assert kv.allocate_slots(longer, 2, hits)

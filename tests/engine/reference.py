@@ -8,7 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | list[int] | None):
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, eos_token_id: int | list[int] | None
+):
     """Greedy continuation of each prompt, one at a time (no padding), stopping at EOS like HF does."""
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
     model.eval()

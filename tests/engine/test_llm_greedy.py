@@ -6,10 +6,10 @@ import random
 from pathlib import Path
 
 import pytest
-
 from tessera import LLM, SamplingParams
 from tessera.engine.messages import SchedulerStats
 from tessera.engine.processor import generation_eos_token_ids
+
 from tests.engine.reference import hf_greedy
 
 SHARED_PREFIX = (
@@ -111,7 +111,10 @@ def test_smollm2_greedy_equals_transformers(smollm2_dir: Path):
 @pytest.mark.slow
 def test_smollm2_answers_through_chat_template(smollm2_dir: Path):
     llm = LLM(str(smollm2_dir), dtype="float32", max_model_len=512, num_kv_blocks=64)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=24))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )
     assert "Paris" in out[0].outputs[0].text
 
 
@@ -135,7 +138,9 @@ def test_sampling_seed_and_top_k(tiny_llama_dir: Path):
     alone = llm.generate([prompt], seeded)[0].outputs[0].token_ids
     rng = random.Random(0)
     others = [f"Filler prompt {rng.random()}" for _ in range(7)]
-    batch_params = [SamplingParams(temperature=1.0, max_tokens=rng.randint(4, 20), ignore_eos=True) for _ in others]
+    batch_params = [
+        SamplingParams(temperature=1.0, max_tokens=rng.randint(4, 20), ignore_eos=True) for _ in others
+    ]
     batch = llm.generate([*others[:3], prompt, *others[3:]], [*batch_params[:3], seeded, *batch_params[3:]])
     assert batch[3].outputs[0].token_ids == alone
 
@@ -159,10 +164,16 @@ def test_logprobs_and_stop_strings(tiny_llama_dir: Path):
         assert [r for r, _ in ranked][:3] == [1, 2, 3]
         assert entry[token_id].rank == 1  # greedy picks the most likely token
     # A stop string cut from the greedy text ends the output right before it.
-    full = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].text
+    full = (
+        llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        .outputs[0]
+        .text
+    )
     if len(full) > 6:
         stop = full[3:6]
-        cut = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+        cut = llm.generate(
+            ["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+        )[0]
         assert cut.outputs[0].text == full[: full.index(stop)]
         assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     assert llm.engine.scheduler.kv.usage == 0.0

@@ -143,7 +143,6 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
             ns,
             "--set",
             f"watch.namespaces={{{ns}}}",
-            "--wait=false",
         ],
         capture_output=True,
         text=True,
@@ -154,12 +153,13 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
         sa = f"system:serviceaccount:{ns}:{release}-operator"
 
         def can(verb: str, resource: str, namespace: str) -> bool:
-            result = cluster.kubectl(
-                "auth", "can-i", verb, resource, "-n", namespace, "--as", sa, check=False
-            )
+            words = resource.split()  # e.g. "inferenceclusters.tessera.dev --subresource=status"
+            result = cluster.kubectl("auth", "can-i", verb, *words, "-n", namespace, "--as", sa, check=False)
             return result.stdout.strip() == "yes"
 
-        assert can("create", "pods", ns) and can("patch", "inferenceclusters.tessera.dev/status", ns)
+        assert can("create", "pods", ns) and can(
+            "patch", "inferenceclusters.tessera.dev --subresource=status", ns
+        )
         assert can("watch", "inferenceclusters.tessera.dev", ns) and can("create", "events", ns)
         assert not can("create", "pods", "default")  # namespace-scoped install
         assert not can("delete", "inferenceclusters.tessera.dev", ns)

@@ -47,6 +47,7 @@ class PagedDriver:
     def step(self, work: list[tuple[str, list[int]]]) -> torch.Tensor:
         """Run one forward over (sequence, new tokens) pairs; returns logits of every new token."""
         input_ids, positions, metadata = self.prepare(work)
+        self.last_metadata = metadata
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
             return self.model.compute_logits(hidden)

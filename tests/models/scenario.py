@@ -66,3 +66,39 @@ def compare(records: list, reference: dict[str, torch.Tensor]) -> dict[str, floa
         diff = (logits.float() - reference[name][position]).abs().max().item()
         worst[phase] = max(worst.get(phase, 0.0), diff)
     return worst
+
+
+def run_many_decodes(model, vocab: int, seed: int = 1, block_size: int = 4) -> tuple[PagedDriver, list, int]:
+    """24 sequences of very different lengths decoding together (decodes are grouped by length).
+
+    Returns the driver, the records and how many decode groups the attention plan used.
+    """
+    from tessera.models.layers.attention import AttentionPlan, GatherWorkspace
+
+    gen = torch.Generator().manual_seed(seed)
+    driver = PagedDriver(model, num_blocks=256, block_size=block_size, seed=seed)
+    records: list[tuple[str, str, int, torch.Tensor]] = []
+    names = [f"s{i}" for i in range(24)]
+    lengths = [1 + (i * 7) % 41 for i in range(24)]
+    for start in range(0, 24, 6):
+        work = [
+            (n, torch.randint(3, vocab, (lengths[i],), generator=gen).tolist()) for i, n in enumerate(names)
+        ]
+        work = work[start : start + 6]
+        positions = [len(driver.seqs[n].tokens) if n in driver.seqs else 0 for n, _ in work]
+        logits = driver.step(work)
+        row = 0
+        for (name, new), first in zip(work, positions, strict=True):
+            for offset in range(len(new)):
+                records.append(("prefill", name, first + offset, logits[row]))
+                row += 1
+    groups = 0
+    for _ in range(2):
+        work = [(n, torch.randint(3, vocab, (1,), generator=gen).tolist()) for n in names]
+        positions = [len(driver.seqs[n].tokens) for n in names]
+        logits = driver.step(work)
+        plan = AttentionPlan.build(driver.last_metadata, block_size, torch.device("cpu"), GatherWorkspace())
+        groups = len(plan.decode_groups)
+        for row, (name, first) in enumerate(zip(names, positions, strict=True)):
+            records.append(("decode", name, first, logits[row]))
+    return driver, records, groups

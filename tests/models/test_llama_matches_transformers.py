@@ -10,7 +10,7 @@ import torch
 from tessera.models.loader import load_model
 
 from tests.fixtures.models import make_tiny_model_dir
-from tests.models.scenario import compare, reference_logits, run_scenario
+from tests.models.scenario import compare, reference_logits, run_many_decodes, run_scenario
 
 torch.set_num_threads(2)
 
@@ -114,10 +114,14 @@ def test_model_interface(tiny_llama_dir: Path) -> None:
     assert logits.shape == (3, config.vocab_size) and logits.dtype == torch.float32
 
 
-def test_pipeline_stages_chain_to_the_full_model(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("folder_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_pipeline_stages_chain_to_the_full_model(folder_fixture: str, request: pytest.FixtureRequest) -> None:
+    """Untied (llama) and tied (qwen2: the last stage's LM head loads the embedding matrix)."""
     from tessera.models.intermediate_tensors import IntermediateTensors
 
     from tests.models.paged_harness import PagedDriver
+
+    tiny_llama_dir = request.getfixturevalue(folder_fixture)
 
     full = load_model(tiny_llama_dir, dtype=torch.float32, device=CPU)
     stages = [
@@ -128,7 +132,6 @@ def test_pipeline_stages_chain_to_the_full_model(tiny_llama_dir: Path) -> None:
     ]
     assert [s.kv_cache_spec[0] for s in stages] == [1, 3]
     assert stages[0].lm_head is None and stages[1].model.embed_tokens is None
-    # The tied-free last stage never read the embedding; the first never read the final norm.
     assert stages[0].model.norm is None
 
     prompt, follow_up = list(range(5, 18)), [40]
@@ -143,3 +146,12 @@ def test_pipeline_stages_chain_to_the_full_model(tiny_llama_dir: Path) -> None:
             assert isinstance(handoff, IntermediateTensors) and set(handoff) == {"hidden_states", "residual"}
             hidden = stages[1](None, positions, drivers[1].kv_caches, metadata, handoff)
             assert torch.allclose(stages[1].compute_logits(hidden), want, atol=1e-5)
+
+
+def test_many_decodes_of_varied_length_match(variant: tuple[Path, Any]) -> None:
+    folder, reference = variant
+    model = load_model(folder, dtype=torch.float32, device=CPU)
+    driver, records, groups = run_many_decodes(model, vocab=reference.config.vocab_size)
+    assert groups > 1  # the length-grouped decode path ran
+    worst = compare(records, reference_logits(reference, driver))
+    assert max(worst.values()) < 1e-4, worst

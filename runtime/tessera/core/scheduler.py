@@ -83,7 +83,12 @@ class Scheduler:
 
         # Admit waiting requests only when nothing was preempted: otherwise they would
         # take the blocks the preempted ones need to come back.
-        while not self.preempted_this_step and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            not self.preempted_this_step
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens

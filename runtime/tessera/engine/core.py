@@ -38,7 +38,9 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             runner_output = self.executor.execute_model(scheduler_output)
             outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time())
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

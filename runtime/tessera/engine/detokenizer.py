@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerBase
 
@@ -12,10 +13,18 @@ from tessera.sampling_params import SamplingParams
 PRIMING_TOKENS = 4
 
 
+def decode(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = False
+) -> str:
+    return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
         self.tokenizer = tokenizer
-        self.rust_tokenizer = getattr(tokenizer, "_tokenizer", None)
+        self.rust_tokenizer: Tokenizer | None = getattr(tokenizer, "_tokenizer", None)
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
@@ -35,20 +44,20 @@ class IncrementalDetokenizer:
         previous_len = len(self.output_text)
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
-            if self.stream is not None:
+            if self.stream is not None and self.rust_tokenizer is not None:
                 piece = self.stream.step(self.rust_tokenizer, token_id)
                 if piece:
                     self.output_text += piece
                     self.num_decoded_tokens = len(self.token_ids)
         if self.stream is None:  # slow tokenizers: decode the whole output again
-            self.output_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.skip_special_tokens)
+            self.output_text = decode(self.tokenizer, self.token_ids, self.skip_special_tokens)
         return self._check_stop_strings(previous_len)
 
     def flush(self) -> None:
         """At the end, emit what the stream still holds (an incomplete UTF-8 sequence) as decode would."""
         if self.stream is not None and self.num_decoded_tokens < len(self.token_ids):
             pending = self.token_ids[self.num_decoded_tokens :]
-            self.output_text += self.tokenizer.decode(pending, skip_special_tokens=self.skip_special_tokens)
+            self.output_text += decode(self.tokenizer, pending, self.skip_special_tokens)
             self.num_decoded_tokens = len(self.token_ids)
 
     def _check_stop_strings(self, previous_len: int) -> str | None:

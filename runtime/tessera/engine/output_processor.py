@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from tessera.engine.detokenizer import IncrementalDetokenizer
+from tessera.engine.detokenizer import IncrementalDetokenizer, decode
 from tessera.engine.messages import FINISH_STOP, EngineCoreOutputs, EngineCoreRequest, TokenLogprobs
 from tessera.outputs import CompletionOutput, Logprob, RequestOutput
 from tessera.sampling_params import SamplingParams
@@ -136,18 +136,24 @@ class OutputProcessor:
             request_outputs.append(self._make_output(request, finished))
         return ProcessedOutputs(request_outputs, reqs_to_abort)
 
-    def _append_logprobs(self, sequence: _Sequence, token_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
+    def _append_logprobs(
+        self, sequence: _Sequence, token_ids: list[int], logprobs: list[TokenLogprobs]
+    ) -> None:
         count = sequence.num_logprobs or 0
         for token_id, token_logprobs in zip(token_ids, logprobs, strict=False):
             entry: dict[int, Logprob] = {}
             top_ids = token_logprobs.top_token_ids[:count]
-            for rank, (top_id, top_lp) in enumerate(zip(top_ids, token_logprobs.top_logprobs[:count], strict=True)):
-                entry[top_id] = Logprob(top_lp, rank + 1, self.tokenizer.decode([top_id]))
+            for rank, (top_id, top_lp) in enumerate(
+                zip(top_ids, token_logprobs.top_logprobs[:count], strict=True)
+            ):
+                entry[top_id] = Logprob(top_lp, rank + 1, decode(self.tokenizer, [top_id]))
             if token_id not in entry:
                 rank_of_sampled = None
                 if token_id in token_logprobs.top_token_ids:
                     rank_of_sampled = token_logprobs.top_token_ids.index(token_id) + 1
-                entry[token_id] = Logprob(token_logprobs.logprob, rank_of_sampled, self.tokenizer.decode([token_id]))
+                entry[token_id] = Logprob(
+                    token_logprobs.logprob, rank_of_sampled, decode(self.tokenizer, [token_id])
+                )
             sequence.logprobs.append(entry)
             sequence.cumulative_logprob += token_logprobs.logprob
 
@@ -160,7 +166,11 @@ class OutputProcessor:
             if delta:
                 text = detok.text_to_send(sequence.sent_text_len, seq_finished)
                 token_ids = detok.token_ids[sequence.sent_num_tokens :]
-                logprobs = sequence.logprobs[sequence.sent_num_tokens :] if sequence.num_logprobs is not None else None
+                logprobs = (
+                    sequence.logprobs[sequence.sent_num_tokens :]
+                    if sequence.num_logprobs is not None
+                    else None
+                )
                 if not text and not token_ids and (not seq_finished or sequence.finish_sent):
                     continue
                 sequence.sent_text_len += len(text)
@@ -175,7 +185,9 @@ class OutputProcessor:
                     index=sequence.index,
                     text=text,
                     token_ids=token_ids,
-                    cumulative_logprob=sequence.cumulative_logprob if sequence.num_logprobs is not None else None,
+                    cumulative_logprob=sequence.cumulative_logprob
+                    if sequence.num_logprobs is not None
+                    else None,
                     logprobs=logprobs,
                     finish_reason=sequence.finish_reason,
                     stop_reason=sequence.stop_reason,
@@ -189,4 +201,3 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
         )
-

@@ -52,7 +52,9 @@ class InputProcessor:
         tokenizer = load_tokenizer(model_dir)
         return cls(tokenizer, max_model_len, extra_eos_token_ids=generation_eos_token_ids(model_dir))
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         if not self.tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template")
         text = self.tokenizer.apply_chat_template(

@@ -102,11 +102,12 @@ class LlamaAttention(nn.Module):
         plan: AttentionPlan,
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        cos, sin = rope
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        attended = self.attn(q.view(n, -1), k.view(n, -1), v, kv_cache, plan)
+        qkv = self.qkv_proj(hidden_states)
+        # Q and K sit side by side in the fused output: rotate all their heads in one pass.
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qk, *rope).view(n, -1)
+        q, k = qk[:, : self.q_size], qk[:, self.q_size :]
+        attended = self.attn(q, k, qkv[:, self.q_size + self.kv_size :], kv_cache, plan)
         return self.o_proj(attended)
 
 

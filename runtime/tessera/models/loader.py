@@ -39,8 +39,14 @@ def load_config(folder: Path):  # -> transformers.PretrainedConfig
     return AutoConfig.from_pretrained(folder)
 
 
+# A config.json without "architectures" still names its family.
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def model_class_for(config) -> type[LlamaForCausalLM]:
     architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures and getattr(config, "model_type", None) in MODEL_TYPES:
+        architectures = [MODEL_TYPES[config.model_type]]
     for architecture in architectures:
         if architecture in MODEL_CLASSES:
             return MODEL_CLASSES[architecture]
@@ -73,7 +79,7 @@ def load_model(
     folder: Path,
     *,
     dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device | str,
     tp_rank: int = 0,
     tp_size: int = 1,
     pp_rank: int = 0,
@@ -83,6 +89,7 @@ def load_model(
     """This rank's part of the model in ``folder``, on ``device`` in ``dtype``, ready for inference."""
     started = time.monotonic()
     folder = Path(folder)
+    device = torch.device(device)
     config = load_config(folder)
     model_class = model_class_for(config)
     with torch.device(device):

@@ -39,7 +39,9 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, device: torch.device, dtype: torch.dtype
+    ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -123,7 +125,9 @@ class ModelRunner:
         max_blocks = max(len(scheduled.block_ids) for scheduled in batch)
         block_tables = torch.zeros((len(batch), max_blocks), dtype=torch.int64)
         for row, scheduled in enumerate(batch):
-            block_tables[row, : len(scheduled.block_ids)] = torch.tensor(scheduled.block_ids, dtype=torch.int64)
+            block_tables[row, : len(scheduled.block_ids)] = torch.tensor(
+                scheduled.block_ids, dtype=torch.int64
+            )
         positions_cpu = torch.tensor(positions, dtype=torch.int64)
         query_lens = torch.tensor([len(s.token_ids) for s in batch], dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(len(batch)), query_lens)
@@ -186,7 +190,11 @@ class ModelRunner:
         output = self.sampler(logits, self._sampling_metadata(states))
 
         logprobs = None
-        if output.logprobs is not None and output.top_token_ids is not None and output.top_logprobs is not None:
+        if (
+            output.logprobs is not None
+            and output.top_token_ids is not None
+            and output.top_logprobs is not None
+        ):
             logprobs = [
                 TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=lps)
                 for lp, ids, lps in zip(

@@ -32,7 +32,9 @@ def default_num_threads(local_world_size: int = 1) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_dir: Path, local_rank: int = 0, local_world_size: int = 1) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path, local_rank: int = 0, local_world_size: int = 1
+    ) -> None:
         self.device = select_device(config, local_rank)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or default_num_threads(local_world_size))

@@ -1,0 +1,124 @@
+"""Unit tests: msgpack round trips of the engine messages, the shared engine flags, request conversion."""
+
+from __future__ import annotations
+
+import argparse
+
+import msgpack
+import pytest
+from tessera.engine import serialization
+from tessera.engine.arg_utils import add_engine_args, engine_config_from_args, parse_size
+from tessera.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from tessera.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from tessera.sampling_params import SamplingParams
+
+
+def test_messages_round_trip_through_msgpack() -> None:
+    request = EngineCoreRequest(
+        request_id="1_abc",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=SamplingParams(n=1, temperature=0.5, stop=["\n"], seed=2**63 - 1, logprobs=3),
+        eos_token_id=None,
+        arrival_time=123.5,
+    )
+    outputs = EngineCoreOutputs(
+        outputs=[
+            EngineCoreOutput("a", [5], [TokenLogprobs(-0.1, [5, 7], [-0.1, -2.0])], "stop", "\n", 16),
+            EngineCoreOutput("b", []),
+        ],
+        scheduler_stats=SchedulerStats(num_running_reqs=2, kv_cache_usage=0.25, prefix_cache_hits=16),
+        timestamp=1.5,
+    )
+    for message in (request, outputs, ["x", "y"], None):
+        assert serialization.decode(serialization.encode(message)) == message
+
+
+def test_unregistered_types_are_refused_both_ways() -> None:
+    class Evil:
+        pass
+
+    with pytest.raises(TypeError):
+        serialization.encode(Evil())
+    forged = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["Evil", []])))
+    with pytest.raises(ValueError, match="unknown engine message"):
+        serialization.decode(forged)
+
+
+def test_decoding_revalidates_sampling_params() -> None:
+    bad = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["SamplingParams", [1, -3.0]], use_bin_type=True)))
+    with pytest.raises(ValueError, match="temperature"):
+        serialization.decode(bad)
+
+
+def test_engine_flags_mirror_vllm_and_fill_engine_config() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    add_engine_args(parser, exclude=("model",))
+    args = parser.parse_args(
+        [
+            "m",
+            "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "512",
+            "--block-size", "32",
+            "--kv-cache-memory", "64MiB",
+            "--no-enable-prefix-caching",
+            "--no-enable-chunked-prefill",
+            "--dtype", "float32",
+            "--max-model-len", "256",
+            "-tp", "2",
+            "--seed", "3",
+        ]
+    )  # fmt: skip
+    config = engine_config_from_args(args, args.model)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (8, 512, 32)
+    assert config.kv_cache_memory == 64 * 1024**2
+    assert not config.enable_prefix_caching and not config.enable_chunked_prefill
+    assert (config.dtype, config.max_model_len, config.tensor_parallel_size, config.seed) == (
+        "float32",
+        256,
+        2,
+        3,
+    )
+    # Unset flags keep EngineConfig's defaults.
+    defaults = engine_config_from_args(parser.parse_args(["m"]), "m")
+    assert defaults.enable_prefix_caching and defaults.max_num_seqs == 128
+
+
+def test_parse_size() -> None:
+    assert parse_size("1024") == 1024
+    assert parse_size("1.5GiB") == 3 * 1024**3 // 2
+    assert parse_size("2GB") == 2 * 10**9
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("lots")
+
+
+def test_openai_requests_become_sampling_params() -> None:
+    completion = CompletionRequest(prompt=[1, 2, 3], max_tokens=7, stop="x", seed=4, logprobs=2, top_k=-1)
+    params = completion.to_sampling_params()
+    assert (params.max_tokens, params.stop, params.seed, params.logprobs, params.top_k) == (7, ["x"], 4, 2, 0)
+    assert params.temperature == 1.0
+    assert completion.prompts() == [[1, 2, 3]]
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    chat = ChatCompletionRequest(
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}
+        ],
+        max_tokens=5,
+        max_completion_tokens=9,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=0,
+    )
+    params = chat.to_sampling_params(default_max_tokens=100)
+    assert (params.max_tokens, params.logprobs, params.greedy) == (9, 3, True)
+    assert chat.chat_messages() == [{"role": "user", "content": "hi there"}]
+    assert (
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params(50).max_tokens
+        == 50
+    )
