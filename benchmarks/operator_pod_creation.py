@@ -145,7 +145,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
             curve,
             range(1, len(curve) + 1),
             where="post",
-            label=f"{run['clusters']} cluster(s): {run['pods_per_second']} pods/s",
+            label=f"{run['clusters']} cluster(s), {run['kubectl_processes']} kubectl: {run['pods_per_second']} pods/s",
         )
     ax.axvline(30, color="red", linestyle="--", linewidth=1, label="target: 800 pods < 30 s")
     ax.set_xlabel("seconds since `kubectl apply`")

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     CONFIG.kubeconfig = args.kubeconfig
+    CONFIG.namespaces = list(args.namespace)
     CONFIG.workers = args.workers
     CONFIG.concurrency = args.concurrency
     CONFIG.resync_seconds = args.resync_seconds

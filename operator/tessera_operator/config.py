@@ -19,6 +19,10 @@ def _int(name: str, default: int) -> int:
 
 @dataclass
 class OperatorConfig:
+    # Empty: cluster-wide. With `kopf run`, give the same namespaces to kopf's --namespace.
+    namespaces: list[str] = field(
+        default_factory=lambda: [n for n in os.environ.get("TESSERA_OPERATOR_NAMESPACES", "").split(",") if n]
+    )
     resync_seconds: float = field(default_factory=lambda: _float("TESSERA_OPERATOR_RESYNC_SECONDS", 30.0))
     # A cluster is reconciled at most this often on events (its own writes' echoes fold together).
     min_interval_seconds: float = field(default_factory=lambda: _float("TESSERA_OPERATOR_MIN_INTERVAL", 0.5))

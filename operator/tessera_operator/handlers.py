@@ -1,7 +1,8 @@
 """kopf wiring, deliberately thin: events only enqueue a cluster key; the work queue reconciles.
 
 Handlers are coroutines: kopf runs plain functions in a thread pool, and the work queue
-belongs to the event loop. No kopf state-machine handlers (on.create/update with progress annotations) and no daemons
+belongs to the event loop. Owned pods and Services are watched by `ownedwatch` (kopf's
+per-event bookkeeping is too costly for hundreds of pods). No kopf state-machine handlers (on.create/update with progress annotations) and no daemons
 (which would add finalizers): every pass is level-based, so events are hints, and the
 periodic resync catches anything a missed event would hide. Deletion is left to the
 garbage collector through ownerReferences.
@@ -9,14 +10,16 @@ garbage collector through ownerReferences.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import kopf
 
-from tessera_operator import api, naming, webhook
+from tessera_operator import api, webhook
 from tessera_operator.config import CONFIG
 from tessera_operator.kube import KubeClient
+from tessera_operator.ownedwatch import watch_owned
 from tessera_operator.reconcile import Reconciler
 from tessera_operator.workqueue import WorkQueue
 
@@ -39,7 +42,17 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
 
     queue = WorkQueue(handle, workers=CONFIG.workers, min_interval=CONFIG.min_interval_seconds)
     queue.start()
-    memo["client"], memo["queue"] = client, queue
+
+    def enqueue(namespace: str, cluster: str) -> None:
+        queue.add((namespace, cluster))
+
+    scopes: list[str | None] = list(CONFIG.namespaces) or [None]
+    watches = [
+        asyncio.create_task(watch_owned(client, kind, ns, enqueue), name=f"tessera-watch-{kind}-{ns}")
+        for kind in ("pods", "services")
+        for ns in scopes
+    ]
+    memo["client"], memo["queue"], memo["watches"] = client, queue, watches
     logging.getLogger("tessera_operator").info(
         "started: %d workers, %d concurrent requests, resync %.0fs",
         CONFIG.workers,
@@ -50,6 +63,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
+    for task in memo["watches"]:
+        task.cancel()
+    await asyncio.gather(*memo["watches"], return_exceptions=True)
     await memo["queue"].stop()
     await memo["client"].close()
 
@@ -63,13 +79,3 @@ async def cluster_changed(
         queue.forget((namespace, name))
     else:
         queue.add((namespace, name))
-
-
-@kopf.on.event("", "v1", "pods", labels={naming.CLUSTER_LABEL: kopf.PRESENT})  # type: ignore[arg-type]
-async def pod_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    memo["queue"].add((namespace, labels[naming.CLUSTER_LABEL]))
-
-
-@kopf.on.event("", "v1", "services", labels={naming.CLUSTER_LABEL: kopf.PRESENT})  # type: ignore[arg-type]
-async def service_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    memo["queue"].add((namespace, labels[naming.CLUSTER_LABEL]))

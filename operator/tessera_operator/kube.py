@@ -12,6 +12,7 @@ import asyncio
 import json
 import ssl
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -120,12 +121,33 @@ class KubeClient:
                 raise ApiError(response.status, payload)
         raise AssertionError("unreachable")
 
+    async def watch(self, path: str, params: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
+        """Stream a watch's events (one JSON object per line); ends when the server closes it."""
+        session = await self.session()
+        headers = {**self._headers(), "Accept": "application/json"}
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=float(params.get("timeoutSeconds", 300)) + 30)
+        async with session.get(
+            self.server + path, params={**params, "watch": "1"}, headers=headers, timeout=timeout
+        ) as response:
+            if response.status >= 400:
+                raise ApiError(response.status, await response.text())
+            buffer = b""
+            async for chunk in response.content.iter_any():
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)
+
     async def get(self, path: str) -> dict[str, Any]:
         return await self.request("GET", path)
 
     async def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return list((await self.list_object(path, label_selector)).get("items", []))
+
+    async def list_object(self, path: str, label_selector: str | None = None) -> dict[str, Any]:
         params = {"labelSelector": label_selector} if label_selector else None
-        return list((await self.request("GET", path, params=params)).get("items", []))
+        return await self.request("GET", path, params=params)
 
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.request("POST", path, body=body)

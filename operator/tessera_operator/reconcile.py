@@ -93,6 +93,11 @@ class Reconciler:
             )
         else:
             await asyncio.gather(self.write_status(ic_path, previous, status), *writes)
+        log.debug(
+            "%s/%s: %d pods seen, %d created, %d deleted, groups %s",
+            namespace, name, len(pods), len(to_create), len(decision.delete_pods),
+            [(g.index, g.phase) for g in status.groups],
+        )  # fmt: skip
         await self.post_events(ref, decision.events)
         if decision.events:
             log.info("%s/%s: %s", namespace, name, "; ".join(e.message for e in decision.events))

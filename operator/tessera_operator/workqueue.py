@@ -114,10 +114,11 @@ class WorkQueue:
                     self.add_after(key, requeue)
             finally:
                 self._processing.discard(key)
-                if forget:
-                    self.forget(key)
-                else:
-                    self._last_done[key] = asyncio.get_running_loop().time()
+                if forget:  # nothing to come back for; the key's own DELETED event forgets the rest
+                    timer = self._timers.pop(key, None)
+                    if timer is not None:
+                        timer.cancel()
+                self._last_done[key] = asyncio.get_running_loop().time()
                 if key in self._dirty:
                     self._dirty.discard(key)
                     self.add(key)

@@ -182,7 +182,9 @@ def install_rbac(cluster: Any, ns: str, release: str, extra: tuple[str, ...] = (
 class OperatorProcess:
     """`tessera-operator --namespace NS` as a subprocess, with its log kept for failures."""
 
-    def __init__(self, cluster: Any, ns: str, kubeconfig: str, *args: str, resync: float = 2.0) -> None:
+    def __init__(
+        self, cluster: Any, ns: str | None, kubeconfig: str, *args: str, resync: float = 2.0
+    ) -> None:
         self.cluster, self.ns, self.kubeconfig, self.args = cluster, ns, kubeconfig, args
         self.health_port = free_port()
         self.resync = resync
@@ -195,8 +197,7 @@ class OperatorProcess:
         self.proc = subprocess.Popen(
             [
                 str(OPERATOR_BIN),
-                "--namespace",
-                self.ns,
+                *(["--namespace", self.ns] if self.ns else ["--all-namespaces"]),
                 "--kubeconfig",
                 self.kubeconfig,
                 "--liveness",
@@ -238,10 +239,18 @@ class OperatorProcess:
 
 @contextmanager
 def running_operator(
-    cluster: Any, ns: str, *args: str, release: str | None = None, rbac_extra: tuple[str, ...] = ()
+    cluster: Any,
+    ns: str,
+    *args: str,
+    release: str | None = None,
+    rbac_extra: tuple[str, ...] = (),
+    cluster_wide: bool = False,
 ) -> Iterator[OperatorProcess]:
+    """The operator under the chart's RBAC, installed in `ns` (watching only `ns` unless cluster-wide)."""
+    if cluster_wide:
+        rbac_extra = (*rbac_extra, "--set", "watch.clusterWide=true")
     kubeconfig = install_rbac(cluster, ns, release or ns, rbac_extra)
-    operator = OperatorProcess(cluster, ns, kubeconfig, *args).start()
+    operator = OperatorProcess(cluster, None if cluster_wide else ns, kubeconfig, *args).start()
     try:
         yield operator
     except BaseException:

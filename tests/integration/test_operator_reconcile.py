@@ -229,3 +229,16 @@ def test_deleting_the_cluster_garbage_collects_everything(crds: Any, k8s_namespa
             lambda: not kjson(cluster, "get", "svc", "-n", ns, "-l", "tessera.dev/cluster")["items"],
             "services collected",
         )
+
+
+def test_cluster_wide_operator_serves_any_namespace(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    other = f"{ns}-x"
+    cluster.kubectl("create", "namespace", other)
+    wait_for(lambda: cluster.service_account_ready(other), "default ServiceAccount (pods need it)")
+    try:
+        with running_operator(cluster, ns, cluster_wide=True):
+            apply_example(cluster, other, "smollm2-local.yaml", parallelism=SMALL)
+            wait_for(lambda: len(pod_names(cluster, other)) == 4, "pods in another namespace")
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)

@@ -57,3 +57,23 @@ async def test_failures_retry_and_requeue_delays_are_honoured() -> None:
     await asyncio.wait_for(done.wait(), timeout=5)
     await queue.stop()
     assert attempts == 3
+
+
+async def test_min_interval_folds_the_echo_of_our_own_writes_into_one_pass() -> None:
+    passes = 0
+
+    async def handler(key: object) -> float | None:
+        nonlocal passes
+        passes += 1
+        return None
+
+    queue = WorkQueue(handler, workers=2, min_interval=0.2)
+    queue.start()
+    queue.add("k")
+    await asyncio.sleep(0.05)
+    for _ in range(20):  # the events our pass caused (pods ADDED, status MODIFIED)
+        queue.add("k")
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.4)
+    await queue.stop()
+    assert passes == 2

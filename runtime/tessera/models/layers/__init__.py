@@ -1,0 +1,1 @@
+"""Building blocks written for tensor parallelism: linear, embedding, attention, RoPE, norm, activation."""

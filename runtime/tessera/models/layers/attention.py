@@ -4,10 +4,11 @@ The cache of one layer is ``[2 (K/V), num_blocks, block_size, num_kv_heads, head
 sequence's tokens live in the blocks its block table lists. Each forward first writes the
 new tokens' K/V at their slots, then attends:
 
-- decodes (one query token each, first in the batch) in one batched call: their blocks are
-  gathered into a padded ``[B, L, kv_heads, head_dim]`` workspace and masked by length. GQA
-  costs nothing: a decode's query heads that share a KV head are fed as that head's query
-  rows, so no key is repeated.
+- decodes (one query token each, first in the batch) in one batched call (or a few, grouping
+  decodes of similar length when lengths vary): their blocks are gathered into a padded
+  ``[B, L, kv_heads, head_dim]`` workspace and masked by length. GQA costs nothing: a
+  decode's query heads that share a KV head are fed as that head's query rows, so no key is
+  repeated.
 - prefills one sequence at a time: a fresh prompt attends to its own new K/V causally; a
   chunk whose earlier context is cached (chunked prefill, prefix-cache hit) gathers the
   context and uses a causal mask offset by the cached length.
