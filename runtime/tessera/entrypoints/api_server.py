@@ -70,6 +70,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
+        # Here, not after serve() returns: uvicorn re-raises a captured SIGTERM once serve() ends.
+        engine.shutdown()
 
     app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=lifespan)
 
