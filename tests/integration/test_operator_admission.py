@@ -20,15 +20,6 @@ from tests.integration.operator_harness import (
 )
 
 
-@pytest.fixture(scope="module")
-def crds(k8s_cluster: Any) -> Any:
-    k8s_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    k8s_cluster.kubectl(
-        "wait", "--for", "condition=established", "crd/inferenceclusters.tessera.dev", "--timeout=60s"
-    )
-    return k8s_cluster
-
-
 def manifest(**spec: Any) -> str:
     base: dict[str, Any] = {
         "model": {"source": "smollm2-135m-instruct"},

@@ -6,10 +6,7 @@ import json
 import time
 from typing import Any
 
-import pytest
-
 from tests.integration.operator_harness import (
-    ROOT,
     FakeKubelet,
     apply_example,
     condition,
@@ -26,15 +23,6 @@ from tests.integration.operator_harness import (
 
 SMALL = {"tensor": 2, "pipeline": 2}
 FAST_RESTART = {"backoffBaseSeconds": 2, "backoffMaxSeconds": 8, "resetAfterSeconds": 600}
-
-
-@pytest.fixture(scope="module")
-def crds(k8s_cluster: Any) -> Any:
-    k8s_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    k8s_cluster.kubectl(
-        "wait", "--for", "condition=established", "crd/inferenceclusters.tessera.dev", "--timeout=60s"
-    )
-    return k8s_cluster
 
 
 def env_of(pod: dict[str, Any]) -> dict[str, str]:

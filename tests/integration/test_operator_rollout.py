@@ -5,10 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
-
 from tests.integration.operator_harness import (
-    ROOT,
     FakeKubelet,
     apply_example,
     condition,
@@ -19,15 +16,6 @@ from tests.integration.operator_harness import (
 )
 
 SMALL = {"tensor": 2, "pipeline": 2}
-
-
-@pytest.fixture(scope="module")
-def crds(k8s_cluster: Any) -> Any:
-    k8s_cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    k8s_cluster.kubectl(
-        "wait", "--for", "condition=established", "crd/inferenceclusters.tessera.dev", "--timeout=60s"
-    )
-    return k8s_cluster
 
 
 def snapshot(cluster: Any, ns: str) -> dict[int, tuple[set[str], bool]]:
