@@ -7,7 +7,8 @@ Same run, same machine, same workload as ``offline_throughput.py`` (64 requests,
 2. served: a ``tessera serve`` subprocess (API process + engine core process over ZeroMQ)
    receives every request at once as a streamed completion (``tessera bench serve`` client
    with no rate limit and no concurrency cap: saturation);
-3. offline again, so drift of a shared machine shows (the baseline is the mean of both).
+3. offline again. Other processes on a shared machine only ever slow a run down, so the
+   baseline is the better of the two offline runs (conservative: it raises the bar).
 
 Output throughput counts each request's own output tokens over the wall time from first
 send to last completion. Target: serving loses at most 10% of the offline output throughput.
@@ -118,7 +119,7 @@ def plot(offline: list[dict[str, Any]], served: dict[str, Any], overhead: float)
     values = [o["output_throughput"] for o in offline] + [served["output_throughput"]]
     bars = axes[0][0].bar(labels, values, color=["tab:blue"] * len(offline) + ["tab:green"])
     axes[0][0].bar_label(bars, fmt="%.0f")
-    baseline = sum(o["output_throughput"] for o in offline) / len(offline)
+    baseline = max(o["output_throughput"] for o in offline)
     axes[0][0].axhline(
         baseline * (1 - TARGET_MAX_OVERHEAD), color="red", linestyle="--", label="target (-10%)"
     )
@@ -166,7 +167,7 @@ def main() -> None:
     print(f"served:  {served['output_throughput']:.1f} output tok/s", flush=True)
     offline.append(run_offline(requests, threads))
     print(f"offline: {offline[1]['output_throughput']:.1f} output tok/s", flush=True)
-    baseline = sum(o["output_throughput"] for o in offline) / len(offline)
+    baseline = max(o["output_throughput"] for o in offline)
     overhead = 1.0 - served["output_throughput"] / baseline
     result = {
         "benchmark": NAME,
