@@ -304,8 +304,9 @@ def main() -> None:
         if batch_sizes != [8, 16, 32, 64]:
             name += "_bs" + "-".join(map(str, batch_sizes))
 
-    from tessera.models.registry import resolve_model
     from transformers import AutoConfig, AutoTokenizer
+
+    from tessera.models.registry import resolve_model
 
     threads = set_threads(args.threads)
     folder = resolve_model(MODEL)

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 from common import environment_info, new_figure, save_figure, set_threads, write_json
 from offline_throughput import MODEL, Request, build_workload
+
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import run_benchmark
 
@@ -153,8 +154,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 requests: a smoke run")
     args = parser.parse_args()
     threads = set_threads(args.threads)
-    from tessera.models.registry import resolve_model
     from transformers import AutoTokenizer
+
+    from tessera.models.registry import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(MODEL)))
     requests = build_workload(tokenizer, 16 if args.quick else args.num_requests, args.seed)

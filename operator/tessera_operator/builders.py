@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.topology import DEFAULT_API_PORT, DEFAULT_DIST_PORT, DEFAULT_RPC_PORT, Topology
-
 from tessera_operator import naming
 from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
 from tessera_operator.observe import GROUP_SIZE_ANNOTATION

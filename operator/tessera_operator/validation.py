@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from tessera.topology import Topology
 
+from tessera.topology import Topology
 from tessera_operator.api import InferenceClusterSpec
 from tessera_operator.known_models import known_num_layers
 from tessera_operator.naming import CLUSTER_NAME_RE, MAX_CLUSTER_NAME

@@ -1,6 +1,7 @@
 """Block pool and KV cache manager: reference counts, prefix hits, LRU eviction, freeing."""
 
 import pytest
+
 from tessera.core.block_pool import BlockPool
 from tessera.core.kv_cache_manager import KVCacheManager
 from tessera.core.request import Request

@@ -6,10 +6,10 @@ import random
 from pathlib import Path
 
 import pytest
+
 from tessera import LLM, SamplingParams
 from tessera.engine.messages import SchedulerStats
 from tessera.engine.processor import generation_eos_token_ids
-
 from tests.engine.reference import hf_greedy
 
 SHARED_PREFIX = (

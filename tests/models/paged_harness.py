@@ -9,6 +9,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+
 from tessera.models.layers.attention import AttentionMetadata
 
 

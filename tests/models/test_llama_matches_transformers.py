@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 import torch
-from tessera.models.loader import load_model
 
+from tessera.models.loader import load_model
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.scenario import compare, reference_logits, run_many_decodes, run_scenario
 
@@ -118,7 +118,6 @@ def test_model_interface(tiny_llama_dir: Path) -> None:
 def test_pipeline_stages_chain_to_the_full_model(folder_fixture: str, request: pytest.FixtureRequest) -> None:
     """Untied (llama) and tied (qwen2: the last stage's LM head loads the embedding matrix)."""
     from tessera.models.intermediate_tensors import IntermediateTensors
-
     from tests.models.paged_harness import PagedDriver
 
     tiny_llama_dir = request.getfixturevalue(folder_fixture)

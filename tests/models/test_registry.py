@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tessera.models import conversion
 from tessera.models.registry import ALIASES, ModelReferenceError, resolve_model
 

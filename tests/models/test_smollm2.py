@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tessera.models.loader import load_model
 
+from tessera.models.loader import load_model
 from tests.models.scenario import compare, reference_logits, run_scenario
 
 pytestmark = pytest.mark.slow

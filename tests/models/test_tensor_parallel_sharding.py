@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tessera.models.layers.linear import (
     ColumnParallelLinear,

@@ -1,10 +1,10 @@
 from typing import Any
 
 import pytest
+
 from tessera.topology import Topology
 from tessera_operator import builders, naming
 from tessera_operator.api import InferenceClusterSpec
-
 from tests.operator.sim import REF, spec_of
 
 

@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from tessera_operator import builders
 from tessera_operator.api import InferenceClusterSpec
 from tessera_operator.validation import validate_object

@@ -2,7 +2,6 @@
 
 from tessera_operator.api import RestartPolicySpec
 from tessera_operator.restart import backoff_seconds
-
 from tests.operator.sim import Sim, spec_of
 
 

@@ -1,4 +1,5 @@
 import pytest
+
 from tessera_operator.validation import validate_object
 
 BASE = {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"tensor": 2, "pipeline": 2}}

@@ -6,11 +6,11 @@ import asyncio
 import time
 
 import pytest
+
 from tessera.config import EngineConfig
 from tessera.engine.core_client import AsyncMPClient, EngineDeadError, SyncMPClient
 from tessera.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from tessera.sampling_params import SamplingParams
-
 from tests.serving.fake_core import CRASH_TOKEN, FakeEngineCore
 
 CONFIG = EngineConfig(model="fake")

@@ -6,6 +6,7 @@ import argparse
 
 import msgpack
 import pytest
+
 from tessera.engine import serialization
 from tessera.engine.arg_utils import add_engine_args, engine_config_from_args, parse_size
 from tessera.engine.messages import (

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from tessera.sampling_params import SamplingParams
 from tessera.worker.sampler import Sampler, SamplingMetadata, apply_penalties
 
