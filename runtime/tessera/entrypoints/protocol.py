@@ -58,6 +58,14 @@ class UsageInfo(OpenAIModel):
     completion_tokens: int = 0
     total_tokens: int = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32)]], Field(min_length=1)]
 

@@ -95,11 +95,7 @@ async def create_chat_completion(
         for output in sorted(final.outputs, key=lambda o: o.index)
     ]
     completion_tokens = sum(len(o.token_ids) for o in final.outputs)
-    usage = UsageInfo(
-        prompt_tokens=len(token_ids),
-        completion_tokens=completion_tokens,
-        total_tokens=len(token_ids) + completion_tokens,
-    )
+    usage = UsageInfo.of(len(token_ids), completion_tokens)
     return JSONResponse(
         ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage).model_dump()
     )
@@ -150,11 +146,7 @@ async def _stream(
                     )
                 )
         if body.stream_options is not None and body.stream_options.include_usage:
-            usage = UsageInfo(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=num_prompt_tokens + completion_tokens,
-            )
+            usage = UsageInfo.of(num_prompt_tokens, completion_tokens)
             yield sse(
                 ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
             )

@@ -95,11 +95,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
                 )
             )
     prompt_tokens = sum(len(ids) for ids in token_lists)
-    usage = UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )
+    usage = UsageInfo.of(prompt_tokens, completion_tokens)
     response = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
     return JSONResponse(response.model_dump())
 
@@ -157,11 +153,7 @@ async def _stream(
                 )
         if body.stream_options is not None and body.stream_options.include_usage:
             prompt_tokens = sum(len(ids) for ids in token_lists)
-            usage = UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            )
+            usage = UsageInfo.of(prompt_tokens, completion_tokens)
             yield sse(
                 CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
             )
