@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera.engine.arg_utils import add_engine_args, engine_config_from_args
+from tessera.engine.arg_utils import engine_config_from_args
 from tessera.engine.async_llm import AsyncLLM
 from tessera.engine.core_client import EngineDeadError
 from tessera.entrypoints.protocol import (
@@ -36,6 +36,7 @@ from tessera.entrypoints.protocol import (
     ModelCard,
     ModelList,
 )
+from tessera.entrypoints.serve_args import add_serve_args
 from tessera.entrypoints.serving_chat import create_chat_completion
 from tessera.entrypoints.serving_common import APIError, ServingContext, error_response
 from tessera.entrypoints.serving_completions import create_completion
@@ -135,29 +136,6 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", help="alias (e.g. smollm2-135m-instruct), Hugging Face folder, or .gguf file"
-    )
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("TESSERA_API_PORT", "8000")))
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="name(s) clients use (default: the model argument)",
-    )
-    parser.add_argument("--api-key", default=None, help="require this bearer key (or set TESSERA_API_KEY)")
-    parser.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        help="answer 503 + Retry-After while more requests than this wait for the engine (default: no limit)",
-    )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_engine_args(parser, exclude=("model",))
-
-
 def run_server(args: argparse.Namespace) -> int:
     """Serve until stopped; returns the process exit code (1 when the engine core died)."""
     logging.basicConfig(
@@ -195,13 +173,6 @@ def run_server(args: argparse.Namespace) -> int:
     if engine.dead_error is not None:
         return 1
     return 0 if server.started else 1
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """`tessera serve MODEL [options]`, wired into tessera.cli."""
-    serve = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    add_serve_args(serve)
-    serve.set_defaults(handler=run_server)
 
 
 def main(argv: list[str] | None = None) -> None:
