@@ -233,6 +233,12 @@ def benchmark_tessera(
     ), outputs
 
 
+def native_kernels_in_use() -> bool:
+    from tessera import kernels
+
+    return kernels.ENABLED and kernels.cpu_kernels() is not None
+
+
 # --- report -----------------------------------------------------------------------------------
 
 
@@ -362,6 +368,7 @@ def main() -> None:
             "best_batch_size": int(best_hf.name.split("=")[1]) if best_hf else None,
         },
         "tessera": tessera.summary(peak["peak_flops"]) if tessera else None,
+        "tessera_cpu_kernels": native_kernels_in_use(),
     }
     if tessera is not None and best_hf is not None and tessera_outputs is not None:
         reference = hf_outputs[int(best_hf.name.split("=")[1])]

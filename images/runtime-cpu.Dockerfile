@@ -7,6 +7,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     HOME=/home/tessera \
     PATH=/opt/venv/bin:$PATH
+# g++ builds Tessera's CPU kernels for the node's own instruction set on first start
+# (about a minute; cached under $HOME/.cache/tessera/kernels, keyed on the CPU's flags).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --gid 1000 tessera \
     && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/tessera --shell /usr/sbin/nologin tessera \
     && python -m venv /opt/venv \

@@ -20,7 +20,7 @@ from tessera.models.layers.attention import Attention, AttentionMetadata, Attent
 from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tessera.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tessera.models.layers.norm import RMSNorm
-from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary
+from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
 from tessera.topology import split_layers
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -97,17 +97,17 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
         n = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        # Q and K sit side by side in the fused output: rotate all their heads in one pass.
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qk, *rope).view(n, -1)
-        q, k = qk[:, : self.q_size], qk[:, self.q_size :]
-        attended = self.attn(q, k, qkv[:, self.q_size + self.kv_size :], kv_cache, plan)
+        # Q and K sit side by side in the fused output: rotate all their heads in one pass, in place.
+        heads = qkv.view(n, -1, self.head_dim)
+        apply_rotary_(heads[:, : self.num_heads + self.num_kv_heads], rope)
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        attended = self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:], kv_cache, plan)
         return self.o_proj(attended)
 
 
@@ -148,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> tuple[torch.Tensor, torch.Tensor]:

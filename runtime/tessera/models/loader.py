@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tessera.models.layers.linear import process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks tensors for: {', '.join(missing[:8])}")
     model.eval()
+    process_weights_after_loading(model)
     start, end = model.layer_range
     logger.info(
         "loaded %s layers [%d, %d) of %d (tp %d/%d) as %s on %s in %.1f s",

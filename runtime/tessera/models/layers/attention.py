@@ -15,15 +15,22 @@ new tokens' K/V at their slots, then attends:
 
 Everything that depends only on the batch layout (block ids, masks) is computed once per
 forward in ``AttentionPlan`` and shared by every layer.
+
+On CPU the native kernel (``tessera.kernels``) replaces all of the above: it writes the new
+K/V and attends every sequence straight from its blocks with an online softmax, no gather,
+no mask, no padding. The ATen formulation stays for other devices and as the fallback.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tessera.kernels import native_ops
 
 
 @dataclass
@@ -104,18 +111,23 @@ def _group_decodes(lens: list[int]) -> list[list[int]] | None:
 
 @dataclass
 class AttentionPlan:
+    metadata: AttentionMetadata
     slot_mapping: torch.Tensor
     block_size: int
     num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
     workspace: GatherWorkspace
+    native: ModuleType | None = None  # the CPU kernels, when they run this forward
     _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(
         cls, md: AttentionMetadata, block_size: int, device: torch.device, workspace: GatherWorkspace
     ) -> AttentionPlan:
+        native = native_ops(device)
+        if native is not None:
+            return cls(md, md.slot_mapping, block_size, md.num_decodes, [], [], workspace, native)
         qsl, lens = md.query_start_loc_list, md.seq_lens_list
         num_decodes = md.num_decodes
         decode_groups = []
@@ -149,6 +161,7 @@ class AttentionPlan:
                 ids = md.block_tables[i, : _cdiv(context, block_size)].to(device)
             prefills.append(PrefillSpan(q_start, q_end, context, ids))
         return cls(
+            metadata=md,
             slot_mapping=md.slot_mapping.to(device),
             block_size=block_size,
             num_decodes=num_decodes,
@@ -215,7 +228,26 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim]."""
+        """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim].
+
+        Rows may be strided (views into the fused QKV output)."""
+        if plan.native is not None:
+            md = plan.metadata
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            plan.native.paged_attention(
+                out,
+                q,
+                k,
+                v,
+                kv_cache,
+                md.slot_mapping,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                self.scale,
+                self.sliding_window or 0,
+            )
+            return out
         n = q.shape[0]
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)

@@ -70,12 +70,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         tp_size: int = 1,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype, tp_rank, tp_size)
+        self.packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        if self.packed_weight is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(
+                hidden_states, self.packed_weight, None, "none", [], ""
+            )
+        else:
+            logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()
 

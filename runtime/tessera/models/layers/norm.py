@@ -6,6 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.kernels import native_ops
+
+_NO_RESIDUAL = torch.empty(0)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None) -> None:
@@ -24,7 +28,17 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (norm(x + residual), x + residual); without a residual, x itself is the residual."""
+        """Return (norm(x + residual), x + residual); without a residual, x itself is the residual.
+
+        The native kernel works in place (x becomes the norm, residual the sum): both are
+        activations this forward pass owns.
+        """
+        ops = native_ops(x.device)
+        if ops is not None and x.dim() == 2 and x.is_contiguous():
+            if residual is None:
+                return ops.rms_norm(x, _NO_RESIDUAL, self.weight, self.eps), x
+            if residual.is_contiguous():
+                return ops.rms_norm(x, residual, self.weight, self.eps), residual
         if residual is not None:
             x = x + residual
         return self._norm(x), x

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.kernels import native_ops
+
 
 def rope_inverse_frequencies(head_dim: int, params: dict[str, Any], max_position: int) -> torch.Tensor:
     """Inverse frequencies for ``params`` (transformers' ``config.rope_parameters``)."""
@@ -58,13 +60,19 @@ class RotaryEmbedding(nn.Module):
             "cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype), persistent=False
         )
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each token, shaped [N, 1, head_dim/2] to broadcast over heads."""
-        cos, sin = self.cos_sin.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """[N, head_dim]: each token's cos (first half) and sin (second half)."""
+        return self.cos_sin.index_select(0, positions)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape [N, heads, head_dim] (rotate-half layout)."""
+def apply_rotary_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate ``x`` of shape [N, heads, head_dim] in place (rotate-half layout).
+
+    ``x`` may be a view into a wider buffer (Q and K inside the fused QKV output)."""
+    ops = native_ops(x.device)
+    if ops is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        ops.rotary_embedding(x, cos_sin)
+        return
+    cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x.copy_(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))

@@ -1,0 +1,256 @@
+// CPU kernels for the decoder's hot path: paged attention, fused add + RMSNorm, SiLU*mul, RoPE.
+//
+// Why: on CPU the ATen formulation of paged attention gathers every sequence's blocks into a
+// padded copy and masks it, which moved more memory than the matmuls did; the elementwise ops
+// each made a full pass (and a new tensor) where one pass suffices. These kernels read the
+// paged cache in place with an online softmax and fuse each elementwise chain into one pass.
+//
+// Accumulation is in fp32 for every input dtype. Work is split with OpenMP on the same runtime
+// (libgomp) and thread count as torch, so torch.set_num_threads governs these kernels too.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "paged_attention.h"
+
+using namespace tessera;
+
+namespace {
+
+template <typename T>
+void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
+                          const torch::Tensor& v, torch::Tensor& kv_cache,
+                          const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                          const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
+                          double scale, int64_t sliding_window) {
+  const int64_t num_tokens = q.size(0);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
+  const int64_t num_heads = q.size(1) / head_dim;
+  const int64_t token_stride = num_kv_heads * head_dim;  // one cache slot
+  AttentionBatch<T> batch{kv_cache.data_ptr<T>(),
+                          num_blocks * block_size * token_stride,
+                          token_stride,
+                          block_size,
+                          num_kv_heads,
+                          num_heads,
+                          num_heads / num_kv_heads,
+                          head_dim,
+                          q.data_ptr<T>(),
+                          q.stride(0),
+                          out.data_ptr<T>(),
+                          block_tables.data_ptr<int64_t>(),
+                          seq_lens.data_ptr<int64_t>(),
+                          query_start_loc.data_ptr<int64_t>(),
+                          block_tables.stride(0),
+                          sliding_window,
+                          static_cast<float>(scale)};
+
+  // 1. The new tokens' K/V go to their slots first: a prefill attends to its own new keys.
+  const T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* slot = batch.cache + slots[i] * token_stride;
+      std::memcpy(slot, k_data + i * k.stride(0), token_stride * sizeof(T));
+      std::memcpy(slot + batch.kv_plane, v_data + i * v.stride(0), token_stride * sizeof(T));
+    }
+  });
+
+  // 2. Attention, one work item per (sequence, query tile), longest first.
+  const std::vector<WorkItem> items =
+      make_work_items(batch.starts, batch.lens, seq_lens.size(0), num_heads, sliding_window);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_items)));
+#pragma omp parallel num_threads(threads)
+  {
+    TileScratch scratch(query_tile(num_heads) * num_heads, head_dim, block_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < num_items; ++w) {
+      switch (head_dim) {
+        case 64:
+          attend_tile<T, 64>(batch, items[w], scratch);
+          break;
+        case 128:
+          attend_tile<T, 128>(batch, items[w], scratch);
+          break;
+        default:
+          attend_tile<T, 0>(batch, items[w], scratch);
+      }
+    }
+  }
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+void check_int64(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous int64 CPU tensor");
+}
+
+}  // namespace
+
+// out[N, H*D] = softmax(q k^T * scale) v over each sequence's paged context, after writing the
+// new tokens' k/v [N, KVH*D] into kv_cache [2, blocks, block_size, KVH, D] at slot_mapping.
+// Sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]) and its context is
+// seq_lens[s] tokens long, the queries being the last ones (causal); sliding_window <= 0: none.
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                     torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                     torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
+                     int64_t sliding_window) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous and shaped like q");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && k.scalar_type() == kv_cache.scalar_type() &&
+                  v.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == kv_cache.scalar_type(),
+              "q, k, v, out and kv_cache must share a dtype");
+  TORCH_CHECK(k.size(1) == kv_cache.size(3) * kv_cache.size(4), "k width must be kv_heads * head_dim");
+  TORCH_CHECK(q.size(1) % (kv_cache.size(3) * kv_cache.size(4)) == 0, "query heads must be a multiple of KV heads");
+  check_int64(slot_mapping, "slot_mapping");
+  check_int64(seq_lens, "seq_lens");
+  check_int64(query_start_loc, "query_start_loc");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.stride(1) == 1,
+              "block_tables must be int64 with contiguous rows");
+  TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc must have one entry per sequence + 1");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    paged_attention_impl<scalar_t>(out, q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
+                                   query_start_loc, scale, sliding_window);
+  });
+}
+
+// ---- elementwise -------------------------------------------------------------------------------
+
+namespace {
+
+template <typename T>
+void rms_norm_impl(T* xs, T* rs, T* os, const T* w, int64_t rows, int64_t hidden, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    float* s = row.data();
+    for (int64_t i = begin; i < end; ++i) {
+      T* xi = xs + i * hidden;
+      if (rs != nullptr) {
+        T* ri = rs + i * hidden;
+        for (int64_t d = 0; d < hidden; ++d) {
+          // The residual stream is kept in the model dtype, rounded as the reference rounds it.
+          ri[d] = static_cast<T>(static_cast<float>(xi[d]) + static_cast<float>(ri[d]));
+          s[d] = static_cast<float>(ri[d]);
+        }
+      } else {
+        for (int64_t d = 0; d < hidden; ++d) s[d] = static_cast<float>(xi[d]);
+      }
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t d = 0; d < hidden; ++d) squares += s[d] * s[d];
+      const float inv_rms = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+      T* oi = os + i * hidden;
+      // Normalise, round to the model dtype, then scale: the reference's order.
+      for (int64_t d = 0; d < hidden; ++d)
+        oi[d] = static_cast<T>(static_cast<float>(w[d]) * static_cast<float>(static_cast<T>(s[d] * inv_rms)));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const T* xs, T* os, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* gate = xs + i * 2 * width;
+      const T* up = gate + width;
+      T* o = os + i * width;
+#pragma omp simd
+      for (int64_t d = 0; d < width; ++d) {
+        const float g = static_cast<float>(gate[d]);
+        // exp of a non-positive argument only: sigmoid is stable for both signs.
+        const float e = exp_approx(-std::fabs(g));
+        const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        o[d] = static_cast<T>(static_cast<float>(static_cast<T>(g * sigmoid)) * static_cast<float>(up[d]));
+      }
+    }
+  });
+}
+
+template <typename T>
+void rotary_impl(T* xs, const T* cs, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* cos = cs + i * dim;
+      const T* sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = xs + i * row_stride + h * dim;
+        T* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = static_cast<float>(x1[d]), b = static_cast<float>(x2[d]);
+          const float c = static_cast<float>(cos[d]), s = static_cast<float>(sin[d]);
+          x1[d] = static_cast<T>(a * c - b * s);
+          x2[d] = static_cast<T>(b * c + a * s);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// With a residual: residual += x, then x = rmsnorm(residual) * weight (both in place, one pass
+// per row), returning x. Without one (an empty tensor): returns rmsnorm(x) * weight, x untouched.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [N, hidden] tensor");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] in x's dtype");
+  const bool fused = residual.numel() > 0;
+  if (fused)
+    TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+                "residual must match x");
+  torch::Tensor out = fused ? x : torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x.data_ptr<scalar_t>(), fused ? residual.data_ptr<scalar_t>() : nullptr,
+                            out.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                            static_cast<float>(eps));
+  });
+  return out;
+}
+
+// [N, 2I] (gate | up) -> [N, I]: silu(gate) * up.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x must be a contiguous [N, 2*I] tensor");
+  torch::Tensor out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1) / 2);
+  });
+  return out;
+}
+
+// In place on x [N, heads, D] (rows may be strided): rotate-half RoPE with cos_sin [N, D]
+// holding cos in the first half and sin in the second.
+void rotary_embedding(torch::Tensor x, torch::Tensor cos_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [N, heads, D] with contiguous heads");
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.size(1) == x.size(2) &&
+                  cos_sin.size(0) == x.size(0), "cos_sin must be [N, D]");
+  TORCH_CHECK(cos_sin.scalar_type() == x.scalar_type(), "cos_sin must have x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary_embedding", [&] {
+    rotary_impl<scalar_t>(x.data_ptr<scalar_t>(), cos_sin.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2),
+                          x.stride(0));
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "attention over a paged KV cache (prefill, decode, mixed)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, with the residual add fused in when a residual is given");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
+}

@@ -1,0 +1,323 @@
+// Paged attention's per-tile core, free of torch so it can be compiled and timed on its own.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace tessera {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp for x <= 0 (softmax after max subtraction; SiLU of either sign is handled by the caller):
+// 2^round(x*log2 e) * 2^f with |f| <= 1/2 and a degree-6 Taylor polynomial (relative error
+// ~1e-7, below fp32 resolution). Written so `omp simd` loops vectorise it.
+inline float exp_approx(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.4426950408889634f;
+  // Round to nearest by the 1.5 * 2^23 trick: plain arithmetic, so the loop vectorises.
+  const float n = (t + 12582912.0f) - 12582912.0f;
+  const float f = (t - n) * 0.6931471805599453f;  // back to natural-log units, |f| <= ln2/2
+  float p = 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// ---- the fp32 fast path: blocks of 16 keys, head_dim a multiple of 16 ----------------------
+//
+// One row's update for one block works on whole 16-lane vectors (GCC vector extensions, so
+// any x86-64 level compiles it; AVX-512 runs each as one instruction): a 16-lane partial
+// product per key, one transposing tree reduction for all 16 scores (instead of a horizontal
+// sum per key), then a vector max, exp and sum. The plain per-key loops spent most of their
+// time on latency chains and scalar tails.
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline f32x16 broadcast16(float x) { return f32x16{} + x; }
+
+// Halves a and b into one vector: lanes 0-7 from a's pairs, 8-15 from b's (by the masks).
+inline f32x16 fold(f32x16 a, f32x16 b, i32x16 lo, i32x16 hi) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// Lane j of the result = the sum of p[j]'s 16 lanes (p is clobbered).
+inline f32x16 transpose_sum16(f32x16* p) {
+  const i32x16 lo8{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const i32x16 hi8{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const i32x16 lo4{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const i32x16 hi4{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const i32x16 lo2{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const i32x16 hi2{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const i32x16 lo1{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const i32x16 hi1{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  for (int i = 0; i < 8; ++i) p[i] = fold(p[2 * i], p[2 * i + 1], lo8, hi8);
+  for (int i = 0; i < 4; ++i) p[i] = fold(p[2 * i], p[2 * i + 1], lo4, hi4);
+  for (int i = 0; i < 2; ++i) p[i] = fold(p[2 * i], p[2 * i + 1], lo2, hi2);
+  return fold(p[0], p[1], lo1, hi1);
+}
+
+inline f32x16 swap_lanes(f32x16 v, int width) {
+  i32x16 mask;
+  for (int i = 0; i < 16; ++i) mask[i] = i ^ width;
+  return __builtin_shuffle(v, mask);
+}
+
+inline float max16(f32x16 v) {
+  for (int width = 8; width >= 1; width /= 2) {
+    const f32x16 other = swap_lanes(v, width);
+    v = v > other ? v : other;
+  }
+  return v[0];
+}
+
+inline float sum16(f32x16 v) {
+  for (int width = 8; width >= 1; width /= 2) v += swap_lanes(v, width);
+  return v[0];
+}
+
+// exp_approx on 16 lanes.
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 floor = broadcast16(-87.0f);
+  x = x > floor ? x : floor;
+  const f32x16 t = x * 1.4426950408889634f;
+  const f32x16 n = (t + 12582912.0f) - 12582912.0f;
+  const f32x16 f = (t - n) * 0.6931471805599453f;
+  f32x16 p = broadcast16(1.0f / 720.0f);
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Online-softmax update of one query row (q, pre-scaled) with keys [j0, j1) of a 16-key block.
+template <int64_t kD>
+inline void attend_row_block16(const float* q, const float* keys, const float* values, int64_t stride,
+                               int64_t j0, int64_t j1, float& row_max, float& row_sum, float* acc) {
+  static_assert(kD % 16 == 0, "head_dim must be a multiple of 16");
+  f32x16 partial[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    if (j < j0 || j >= j1) {
+      partial[j] = f32x16{};
+      continue;
+    }
+    const float* k = keys + j * stride;
+    f32x16 even = load16(q) * load16(k), odd = f32x16{};
+    for (int64_t i = 1; i < kD / 16; ++i) {
+      if (i % 2)
+        odd += load16(q + 16 * i) * load16(k + 16 * i);
+      else
+        even += load16(q + 16 * i) * load16(k + 16 * i);
+    }
+    partial[j] = even + odd;
+  }
+  const i32x16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const i32x16 valid = (lane >= static_cast<int32_t>(j0)) & (lane < static_cast<int32_t>(j1));
+  const f32x16 scores = valid ? transpose_sum16(partial) : broadcast16(kNegInf);
+  const float new_max = std::max(row_max, max16(scores));
+  const f32x16 p = valid ? exp16(scores - new_max) : f32x16{};
+  const float correction = row_max == kNegInf ? 0.0f : exp_approx(row_max - new_max);
+  row_max = new_max;
+  row_sum = row_sum * correction + sum16(p);
+  f32x16 out[kD / 16];
+  for (int64_t i = 0; i < kD / 16; ++i) out[i] = load16(acc + 16 * i) * correction;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* v = values + j * stride;
+    const float pj = p[j];
+    for (int64_t i = 0; i < kD / 16; ++i) out[i] += pj * load16(v + 16 * i);
+  }
+  for (int64_t i = 0; i < kD / 16; ++i) store16(acc + 16 * i, out[i]);
+}
+
+template <typename T, int64_t kD>
+constexpr bool kFastPath = std::is_same_v<T, float> && kD > 0 && kD % 16 == 0;
+
+// ---- the generic path ------------------------------------------------------------------------
+
+template <typename T>
+inline void block_scores(const float* q, const T* keys, int64_t stride, int64_t j0, int64_t j1,
+                         int64_t head_dim, float* scores) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* k = keys + j * stride;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < head_dim; ++d) sum += q[d] * static_cast<float>(k[d]);
+    scores[j] = sum;
+  }
+}
+
+// ---- paged attention ---------------------------------------------------------------------------
+
+// One work item: all heads of query tokens [q_begin, q_end) of one sequence. All heads, so
+// each visited block is read whole and in order (its KV heads are interleaved per token).
+struct WorkItem {
+  int64_t seq, q_begin, q_end, cost;
+};
+
+// Query rows (tokens x heads) per item: enough that a block read from memory serves many
+// rows, few enough that the scratch stays in L2 and the items balance over threads.
+constexpr int64_t kRowsPerItem = 128;
+
+inline int64_t query_tile(int64_t num_heads) { return std::max<int64_t>(1, kRowsPerItem / num_heads); }
+
+// Items for every sequence, most expensive first (for dynamic scheduling over threads).
+inline std::vector<WorkItem> make_work_items(const int64_t* starts, const int64_t* lens, int64_t num_seqs,
+                                             int64_t num_heads, int64_t sliding_window) {
+  const int64_t tile = query_tile(num_heads);
+  std::vector<WorkItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t query_len = starts[s + 1] - starts[s];
+    const int64_t first_pos = lens[s] - query_len;
+    for (int64_t q0 = 0; q0 < query_len; q0 += tile) {
+      const int64_t q1 = std::min(q0 + tile, query_len);
+      const int64_t keys = first_pos + q1;
+      const int64_t span = sliding_window > 0 ? std::min(keys, sliding_window + q1 - q0) : keys;
+      items.push_back({s, q0, q1, span * (q1 - q0)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& x, const WorkItem& y) { return x.cost > y.cost; });
+  return items;
+}
+
+// Everything one work item needs to know about the batch and the cache.
+template <typename T>
+struct AttentionBatch {
+  T* cache;
+  int64_t kv_plane, token_stride, block_size, num_kv_heads, num_heads, group, head_dim;
+  const T* q;
+  int64_t q_stride;
+  T* out;
+  const int64_t *tables, *lens, *starts;
+  int64_t table_stride, sliding_window;
+  float scale;
+};
+
+// Per-thread buffers of an item: scaled queries, output accumulators, softmax state.
+struct TileScratch {
+  std::vector<float> query, acc, row_max, row_sum, scores;
+  TileScratch(int64_t rows, int64_t head_dim, int64_t block_size)
+      : query(rows * head_dim), acc(rows * head_dim), row_max(rows), row_sum(rows), scores(block_size) {}
+};
+
+// kD > 0 fixes head_dim at compile time so the per-key loops unroll into straight vector code;
+// kD == 0 is the generic path for any head_dim.
+template <typename T, int64_t kD>
+void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& scratch) {
+  const int64_t D = kD > 0 ? kD : a.head_dim;
+  const int64_t group = a.group;
+  const int64_t query_len = a.starts[item.seq + 1] - a.starts[item.seq];
+  const int64_t first_pos = a.lens[item.seq] - query_len;  // position of the sequence's first query
+  const int64_t rows = (item.q_end - item.q_begin) * a.num_heads;
+  const int64_t block_bytes = a.block_size * a.token_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t* table = a.tables + item.seq * a.table_stride;
+  float* query = scratch.query.data();
+  float* acc = scratch.acc.data();
+  float* row_max = scratch.row_max.data();
+  float* row_sum = scratch.row_sum.data();
+  float* scores = scratch.scores.data();
+
+  // Row r is query token q_begin + r / num_heads, head r % num_heads (KV head: that / group).
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = a.starts[item.seq] + item.q_begin + r / a.num_heads;
+    const T* src = a.q + token * a.q_stride + (r % a.num_heads) * D;
+    float* dst = query + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * a.scale;
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.0f;
+    std::fill_n(acc + r * D, D, 0.0f);
+  }
+
+  const int64_t last_pos = first_pos + item.q_end - 1;
+  int64_t first_key = 0;
+  if (a.sliding_window > 0) first_key = std::max<int64_t>(0, first_pos + item.q_begin - a.sliding_window + 1);
+  for (int64_t b = first_key / a.block_size; b <= last_pos / a.block_size; ++b) {
+    const int64_t key0 = b * a.block_size;
+    const int64_t block_keys = std::min(a.block_size, last_pos + 1 - key0);
+    const T* block_keys_all = a.cache + table[b] * a.block_size * a.token_stride;
+    // Blocks are scattered, so the hardware prefetcher restarts at each one: the rows below
+    // share out prefetching the next block's keys and values (every other line; the adjacent
+    // line prefetcher brings its pair) while this block is computed.
+    const char* next = b < last_pos / a.block_size
+                           ? reinterpret_cast<const char*>(a.cache + table[b + 1] * a.block_size * a.token_stride)
+                           : nullptr;
+    const int64_t prefetch_per_row = (block_bytes / 128 + rows - 1) / rows * 128;
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* keys = block_keys_all + (r % a.num_heads / group) * D;
+      const T* values = keys + a.kv_plane;
+      if (next != nullptr) {
+        const int64_t end = std::min(block_bytes, (r + 1) * prefetch_per_row);
+        for (int64_t off = r * prefetch_per_row; off < end; off += 128) {
+          __builtin_prefetch(next + off);
+          __builtin_prefetch(next + a.kv_plane * static_cast<int64_t>(sizeof(T)) + off);
+        }
+      }
+      const int64_t pos = first_pos + item.q_begin + r / a.num_heads;
+      const int64_t lo = a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0;
+      const int64_t j0 = std::max<int64_t>(0, lo - key0);
+      const int64_t j1 = std::min(block_keys, pos - key0 + 1);
+      if (j0 >= j1) continue;
+      const float* qr = query + r * D;
+      if constexpr (kFastPath<T, kD>) {
+        if (a.block_size == 16) {
+          attend_row_block16<kD>(qr, keys, values, a.token_stride, j0, j1, row_max[r], row_sum[r], acc + r * D);
+          continue;
+        }
+      }
+      block_scores<T>(qr, keys, a.token_stride, j0, j1, D, scores);
+      float block_max = kNegInf;
+      for (int64_t j = j0; j < j1; ++j) block_max = std::max(block_max, scores[j]);
+      const float new_max = std::max(row_max[r], block_max);
+      const float correction = row_max[r] == kNegInf ? 0.0f : exp_approx(row_max[r] - new_max);
+      row_max[r] = new_max;
+      float* row_acc = acc + r * D;
+      row_sum[r] *= correction;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) row_acc[d] *= correction;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float pj = exp_approx(scores[j] - new_max);
+        row_sum[r] += pj;
+        const T* vj = values + j * a.token_stride;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) row_acc[d] += pj * static_cast<float>(vj[d]);
+      }
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = a.starts[item.seq] + item.q_begin + r / a.num_heads;
+    T* dst = a.out + token * a.num_heads * D + (r % a.num_heads) * D;
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    const float* ar = acc + r * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(ar[d] * inv);
+  }
+}
+
+}  // namespace tessera
