@@ -116,43 +116,89 @@ inline f32x16 exp16(f32x16 x) {
   return p * scale;
 }
 
-// Online-softmax update of one query row (q, pre-scaled) with keys [j0, j1) of a 16-key block.
-template <int64_t kD>
-inline void attend_row_block16(const float* q, const float* keys, const float* values, int64_t stride,
-                               int64_t j0, int64_t j1, float& row_max, float& row_sum, float* acc) {
+// Online-softmax update of R query rows that share a KV head (so they share the keys and
+// values: each key and value vector is loaded once for all R) with keys [j0[r], j1[r]) of a
+// 16-key block. Several rows at once also keeps several independent dependency chains in
+// flight: one row alone spends most of its time waiting on the reductions' latency.
+// idx[r] is the row's index into query / acc (kD floats each), row_max and row_sum.
+template <int64_t kD, int R>
+inline void attend_rows_block16(const float* query, const float* keys, const float* values, int64_t stride,
+                                const int64_t* idx, const int64_t* j0, const int64_t* j1, float* row_max,
+                                float* row_sum, float* acc) {
   static_assert(kD % 16 == 0, "head_dim must be a multiple of 16");
-  f32x16 partial[16];
+  constexpr int64_t kV = kD / 16;
+  int64_t lo = j0[0], hi = j1[0];
+  for (int r = 1; r < R; ++r) {
+    lo = std::min(lo, j0[r]);
+    hi = std::max(hi, j1[r]);
+  }
+  f32x16 q[R][kV];
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kV; ++i) q[r][i] = load16(query + idx[r] * kD + 16 * i);
+
+  f32x16 partial[R][16];
   for (int64_t j = 0; j < 16; ++j) {
-    if (j < j0 || j >= j1) {
-      partial[j] = f32x16{};
+    if (j < lo || j >= hi) {
+      for (int r = 0; r < R; ++r) partial[r][j] = f32x16{};
       continue;
     }
-    const float* k = keys + j * stride;
-    f32x16 even = load16(q) * load16(k), odd = f32x16{};
-    for (int64_t i = 1; i < kD / 16; ++i) {
-      if (i % 2)
-        odd += load16(q + 16 * i) * load16(k + 16 * i);
-      else
-        even += load16(q + 16 * i) * load16(k + 16 * i);
+    f32x16 k[kV];
+    for (int64_t i = 0; i < kV; ++i) k[i] = load16(keys + j * stride + 16 * i);
+    for (int r = 0; r < R; ++r) {
+      f32x16 even = q[r][0] * k[0], odd = f32x16{};
+      for (int64_t i = 1; i < kV; ++i) {
+        if (i % 2)
+          odd += q[r][i] * k[i];
+        else
+          even += q[r][i] * k[i];
+      }
+      partial[r][j] = even + odd;
     }
-    partial[j] = even + odd;
   }
+
   const i32x16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const i32x16 valid = (lane >= static_cast<int32_t>(j0)) & (lane < static_cast<int32_t>(j1));
-  const f32x16 scores = valid ? transpose_sum16(partial) : broadcast16(kNegInf);
-  const float new_max = std::max(row_max, max16(scores));
-  const f32x16 p = valid ? exp16(scores - new_max) : f32x16{};
-  const float correction = row_max == kNegInf ? 0.0f : exp_approx(row_max - new_max);
-  row_max = new_max;
-  row_sum = row_sum * correction + sum16(p);
-  f32x16 out[kD / 16];
-  for (int64_t i = 0; i < kD / 16; ++i) out[i] = load16(acc + 16 * i) * correction;
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* v = values + j * stride;
-    const float pj = p[j];
-    for (int64_t i = 0; i < kD / 16; ++i) out[i] += pj * load16(v + 16 * i);
+  f32x16 p[R];
+  float correction[R];
+  for (int r = 0; r < R; ++r) {
+    const i32x16 valid = (lane >= static_cast<int32_t>(j0[r])) & (lane < static_cast<int32_t>(j1[r]));
+    const f32x16 scores = valid ? transpose_sum16(partial[r]) : broadcast16(kNegInf);
+    float& m = row_max[idx[r]];
+    const float new_max = std::max(m, max16(scores));
+    p[r] = valid ? exp16(scores - new_max) : f32x16{};
+    correction[r] = m == kNegInf ? 0.0f : exp_approx(m - new_max);
+    m = new_max;
+    row_sum[idx[r]] = row_sum[idx[r]] * correction[r] + sum16(p[r]);
   }
-  for (int64_t i = 0; i < kD / 16; ++i) store16(acc + 16 * i, out[i]);
+
+  f32x16 out[R][kV];
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kV; ++i) out[r][i] = load16(acc + idx[r] * kD + 16 * i) * correction[r];
+  for (int64_t j = lo; j < hi; ++j) {
+    f32x16 v[kV];
+    for (int64_t i = 0; i < kV; ++i) v[i] = load16(values + j * stride + 16 * i);
+    for (int r = 0; r < R; ++r) {
+      const float pj = p[r][j];  // 0 outside the row's own range
+      for (int64_t i = 0; i < kV; ++i) out[r][i] += pj * v[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < kV; ++i) store16(acc + idx[r] * kD + 16 * i, out[r][i]);
+}
+
+template <int64_t kD>
+inline void attend_rows_block16(int count, const float* query, const float* keys, const float* values,
+                                int64_t stride, const int64_t* idx, const int64_t* j0, const int64_t* j1,
+                                float* row_max, float* row_sum, float* acc) {
+  switch (count) {
+    case 4:
+      return attend_rows_block16<kD, 4>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
+    case 3:
+      return attend_rows_block16<kD, 3>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
+    case 2:
+      return attend_rows_block16<kD, 2>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
+    default:
+      return attend_rows_block16<kD, 1>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
+  }
 }
 
 template <typename T, int64_t kD>
@@ -227,13 +273,18 @@ struct TileScratch {
 
 // kD > 0 fixes head_dim at compile time so the per-key loops unroll into straight vector code;
 // kD == 0 is the generic path for any head_dim.
+// How many blocks ahead to prefetch (2 and 3 measured no better than 1 on a 2-core VM).
+constexpr int64_t kPrefetchDistance = 1;
+
 template <typename T, int64_t kD>
 void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& scratch) {
   const int64_t D = kD > 0 ? kD : a.head_dim;
   const int64_t group = a.group;
   const int64_t query_len = a.starts[item.seq + 1] - a.starts[item.seq];
   const int64_t first_pos = a.lens[item.seq] - query_len;  // position of the sequence's first query
-  const int64_t rows = (item.q_end - item.q_begin) * a.num_heads;
+  const int64_t tokens = item.q_end - item.q_begin;
+  const int64_t rows = tokens * a.num_heads;
+  const int64_t rows_per_kv_head = tokens * group;
   const int64_t block_bytes = a.block_size * a.token_stride * static_cast<int64_t>(sizeof(T));
   const int64_t* table = a.tables + item.seq * a.table_stride;
   float* query = scratch.query.data();
@@ -242,10 +293,13 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
   float* row_sum = scratch.row_sum.data();
   float* scores = scratch.scores.data();
 
-  // Row r is query token q_begin + r / num_heads, head r % num_heads (KV head: that / group).
+  // Rows are ordered (KV head, token, head within the group): rows sharing a KV head, hence
+  // keys and values, are consecutive.
+  auto kv_head_of = [&](int64_t r) { return r / rows_per_kv_head; };
+  auto token_of = [&](int64_t r) { return item.q_begin + r % rows_per_kv_head / group; };
+  auto head_of = [&](int64_t r) { return kv_head_of(r) * group + r % group; };
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = a.starts[item.seq] + item.q_begin + r / a.num_heads;
-    const T* src = a.q + token * a.q_stride + (r % a.num_heads) * D;
+    const T* src = a.q + (a.starts[item.seq] + token_of(r)) * a.q_stride + head_of(r) * D;
     float* dst = query + r * D;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * a.scale;
@@ -262,14 +316,26 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     const int64_t block_keys = std::min(a.block_size, last_pos + 1 - key0);
     const T* block_keys_all = a.cache + table[b] * a.block_size * a.token_stride;
     // Blocks are scattered, so the hardware prefetcher restarts at each one: the rows below
-    // share out prefetching the next block's keys and values (every other line; the adjacent
+    // share out prefetching a later block's keys and values (every other line; the adjacent
     // line prefetcher brings its pair) while this block is computed.
-    const char* next = b < last_pos / a.block_size
-                           ? reinterpret_cast<const char*>(a.cache + table[b + 1] * a.block_size * a.token_stride)
+    const int64_t ahead = b + kPrefetchDistance;
+    const char* next = ahead <= last_pos / a.block_size
+                           ? reinterpret_cast<const char*>(a.cache + table[ahead] * a.block_size * a.token_stride)
                            : nullptr;
     const int64_t prefetch_per_row = (block_bytes / 128 + rows - 1) / rows * 128;
+    // The fast path takes rows of one KV head up to four at a time.
+    int64_t pending = 0, pending_idx[4], pending_j0[4], pending_j1[4];
+    auto flush = [&] {
+      if constexpr (kFastPath<T, kD>) {
+        if (pending == 0) return;
+        const float* keys = block_keys_all + kv_head_of(pending_idx[0]) * D;
+        attend_rows_block16<kD>(static_cast<int>(pending), query, keys, keys + a.kv_plane, a.token_stride,
+                                pending_idx, pending_j0, pending_j1, row_max, row_sum, acc);
+        pending = 0;
+      }
+    };
     for (int64_t r = 0; r < rows; ++r) {
-      const T* keys = block_keys_all + (r % a.num_heads / group) * D;
+      const T* keys = block_keys_all + kv_head_of(r) * D;
       const T* values = keys + a.kv_plane;
       if (next != nullptr) {
         const int64_t end = std::min(block_bytes, (r + 1) * prefetch_per_row);
@@ -278,18 +344,22 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
           __builtin_prefetch(next + a.kv_plane * static_cast<int64_t>(sizeof(T)) + off);
         }
       }
-      const int64_t pos = first_pos + item.q_begin + r / a.num_heads;
+      const int64_t pos = first_pos + token_of(r);
       const int64_t lo = a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0;
       const int64_t j0 = std::max<int64_t>(0, lo - key0);
       const int64_t j1 = std::min(block_keys, pos - key0 + 1);
       if (j0 >= j1) continue;
-      const float* qr = query + r * D;
       if constexpr (kFastPath<T, kD>) {
         if (a.block_size == 16) {
-          attend_row_block16<kD>(qr, keys, values, a.token_stride, j0, j1, row_max[r], row_sum[r], acc + r * D);
+          if (pending == 4 || (pending > 0 && kv_head_of(pending_idx[0]) != kv_head_of(r))) flush();
+          pending_idx[pending] = r;
+          pending_j0[pending] = j0;
+          pending_j1[pending] = j1;
+          ++pending;
           continue;
         }
       }
+      const float* qr = query + r * D;
       block_scores<T>(qr, keys, a.token_stride, j0, j1, D, scores);
       float block_max = kNegInf;
       for (int64_t j = j0; j < j1; ++j) block_max = std::max(block_max, scores[j]);
@@ -308,11 +378,11 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
         for (int64_t d = 0; d < D; ++d) row_acc[d] += pj * static_cast<float>(vj[d]);
       }
     }
+    flush();
   }
 
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = a.starts[item.seq] + item.q_begin + r / a.num_heads;
-    T* dst = a.out + token * a.num_heads * D + (r % a.num_heads) * D;
+    T* dst = a.out + (a.starts[item.seq] + token_of(r)) * a.num_heads * D + head_of(r) * D;
     const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
     const float* ar = acc + r * D;
 #pragma omp simd
