@@ -1,4 +1,5 @@
-"""The native CPU kernels against the ATen formulation they replace, op by op.
+"""The native CPU kernels against the ATen formulation they replace, op by op, and the packed
+GEMM weights against ``F.linear``.
 
 Each case runs both paths on the same inputs (flipping ``tessera.kernels.ENABLED``) and
 compares outputs and, for attention, the KV cache written. The attention batch mixes
@@ -12,10 +13,17 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tessera import kernels
 from tessera.models.layers.activation import SiluAndMul
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
+from tessera.models.layers.linear import (
+    ColumnParallelLinear,
+    MklPackedWeight,
+    OneDnnPackedWeight,
+    process_weights_after_loading,
+)
 from tessera.models.layers.norm import RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
 
@@ -164,3 +172,34 @@ def test_kernel_rejects_mismatched_inputs() -> None:
             torch.zeros(2, 2, 16, 1, 64, dtype=torch.bfloat16), torch.tensor([0]),
             torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1]), torch.tensor([0, 1]), 0.125, 0,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("packing", ["mkl", "onednn"])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_weights_multiply_like_f_linear(packing: str, rows: int, with_bias: bool) -> None:
+    ops = kernels.cpu_kernels()
+    if packing == "mkl" and not (ops is not None and ops.mkl_packed_gemm_available()):
+        pytest.skip("this torch has no MKL packed GEMM")
+    if packing == "onednn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator)
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    packed = MklPackedWeight(weight, ops) if packing == "mkl" else OneDnnPackedWeight(weight)
+    x = torch.randn(rows, 80, generator=generator)
+    torch.testing.assert_close(packed.matmul(x, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    # Leading dimensions are kept, as F.linear keeps them.
+    batched = x.view(1, rows, 80)
+    assert packed.matmul(batched, bias).shape == (1, rows, 96)
+
+
+def test_loaded_linear_layers_are_packed_and_match(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = ColumnParallelLinear(80, 96, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()  # type: ignore[union-attr]
+    x = torch.randn(5, 80)
+    expected = F.linear(x, layer.weight, layer.bias)
+    process_weights_after_loading(layer)
+    assert layer.packed_weight is not None and layer.weight.numel() == 0  # the dense copy is released
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)

@@ -13,6 +13,18 @@ namespace tessera {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// e^f for |f| <= ln2/2: degree-6 Taylor polynomial, on a float or on a vector of floats.
+template <typename V>
+inline V exp_fraction(V f) {
+  V p = f * 0.0f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  return p * f + 1.0f;
+}
+
 // exp for x <= 0 (softmax after max subtraction; SiLU of either sign is handled by the caller):
 // 2^round(x*log2 e) * 2^f with |f| <= 1/2 and a degree-6 Taylor polynomial (relative error
 // ~1e-7, below fp32 resolution). Written so `omp simd` loops vectorise it.
@@ -21,14 +33,7 @@ inline float exp_approx(float x) {
   const float t = x * 1.4426950408889634f;
   // Round to nearest by the 1.5 * 2^23 trick: plain arithmetic, so the loop vectorises.
   const float n = (t + 12582912.0f) - 12582912.0f;
-  const float f = (t - n) * 0.6931471805599453f;  // back to natural-log units, |f| <= ln2/2
-  float p = 1.0f / 720.0f;
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const float p = exp_fraction((t - n) * 0.6931471805599453f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -102,14 +107,7 @@ inline f32x16 exp16(f32x16 x) {
   x = x > floor ? x : floor;
   const f32x16 t = x * 1.4426950408889634f;
   const f32x16 n = (t + 12582912.0f) - 12582912.0f;
-  const f32x16 f = (t - n) * 0.6931471805599453f;
-  f32x16 p = broadcast16(1.0f / 720.0f);
-  p = p * f + 1.0f / 120.0f;
-  p = p * f + 1.0f / 24.0f;
-  p = p * f + 1.0f / 6.0f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const f32x16 p = exp_fraction((t - n) * 0.6931471805599453f);
   const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
   f32x16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.distributed.communication import tp_all_gather, tp_all_reduce
+from tessera.models.layers.linear import PackedWeight
 
 # Padding the vocabulary to a multiple of this (per rank) keeps matmul shapes friendly.
 VOCAB_PADDING = 64
@@ -61,6 +62,8 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states to vocabulary logits; with tied embeddings it loads the embedding matrix."""
 
+    packed_weight: PackedWeight | None
+
     def __init__(
         self,
         num_embeddings: int,
@@ -70,16 +73,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         tp_size: int = 1,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype, tp_rank, tp_size)
-        self.packed_weight: torch.Tensor | None = None  # set by process_weights_after_loading
+        self.packed_weight: PackedWeight | None = None  # set by process_weights_after_loading
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(
-                hidden_states, self.packed_weight, None, "none", [], ""
-            )
+            logits = self.packed_weight.matmul(hidden_states, None)
         else:
             logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather(logits, dim=-1)
