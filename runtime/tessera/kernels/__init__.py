@@ -38,8 +38,9 @@ def _cpu_features() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
+    # Every file in csrc/: the header changes the build as much as the .cpp does.
     for part in (
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in sorted(CSRC.iterdir())),
         torch.__version__.encode(),
         " ".join(CFLAGS).encode(),
         _cpu_features().encode(),

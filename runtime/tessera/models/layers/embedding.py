@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.distributed.communication import tp_all_gather, tp_all_reduce
-from tessera.models.layers.linear import PackedWeight
+from tessera.models.layers.linear import PackedWeight, linear
 
 # Padding the vocabulary to a multiple of this (per rank) keeps matmul shapes friendly.
 VOCAB_PADDING = 64
@@ -73,16 +73,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         tp_size: int = 1,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, params_dtype, tp_rank, tp_size)
-        self.packed_weight: PackedWeight | None = None  # set by process_weights_after_loading
+        self.packed_weight = None  # set by process_weights_after_loading
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            logits = self.packed_weight.matmul(hidden_states, None)
-        else:
-            logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, self.packed_weight, None)
         logits = tp_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()
 

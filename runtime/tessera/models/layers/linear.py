@@ -81,6 +81,15 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return None
 
 
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, through the packed form when there is one."""
+    if packed is not None:
+        return packed.matmul(x, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     """What every linear layer shares: a weight ``[out, in]`` and, on CPU, its packed form."""
 
@@ -92,9 +101,7 @@ class LinearBase(nn.Module):
         self.packed_weight = None  # set by process_weights_after_loading
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return self.packed_weight.matmul(x, bias)
-        return F.linear(x, self.weight, bias)
+        return linear(x, self.weight, self.packed_weight, bias)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
