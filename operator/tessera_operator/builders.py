@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.topology import DEFAULT_API_PORT, DEFAULT_DIST_PORT, DEFAULT_RPC_PORT, Topology
+from tessera.engine.arg_utils import engine_cli_args
+from tessera.topology import DEFAULT_API_PORT, DEFAULT_DIST_PORT, DEFAULT_RPC_PORT, ParallelLayout, Topology
 from tessera_operator import naming
 from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
 from tessera_operator.observe import GROUP_SIZE_ANNOTATION
@@ -87,12 +88,14 @@ def topology_for(
         cluster=ref.name,
         namespace=ref.namespace,
         group=group,
-        tp_size=par.tensor,
-        pp_size=par.pipeline,
-        sequence_parallel=par.sequence_parallel,
+        layout=ParallelLayout(
+            tensor_parallel_size=par.tensor,
+            pipeline_parallel_size=par.pipeline,
+            sequence_parallel=par.sequence_parallel,
+            layer_partition=par.layer_partition,
+        ),
         tp_rank=tp_rank,
         pp_rank=stage,
-        layer_partition=par.layer_partition,
         leader_addr=naming.leader_dns(ref.name, ref.namespace, group),
         dist_port=DEFAULT_DIST_PORT,
         rpc_port=DEFAULT_RPC_PORT,
@@ -101,31 +104,36 @@ def topology_for(
 
 
 def engine_args(spec: InferenceClusterSpec) -> list[str]:
-    """Engine flags shared by the leader and the workers (vLLM's flag names)."""
+    """The leader's engine flags, written by the runtime's own flag definitions (vLLM's names).
+
+    The parallel layout travels in the topology environment, not in flags; workers take every
+    engine setting from their leader when they join, so they need none.
+    """
     model, eng = spec.model, spec.engine
-    args = [model.source, "--dtype", model.dtype]
-    if model.max_model_len is not None:
-        args += ["--max-model-len", str(model.max_model_len)]
-    args += [
-        "--max-num-seqs", str(eng.max_num_seqs),
-        "--max-num-batched-tokens", str(eng.max_num_batched_tokens),
-        "--block-size", str(eng.block_size),
-    ]  # fmt: skip
-    if eng.kv_cache_memory is not None:
-        args += ["--kv-cache-memory", str(quantity_to_bytes(eng.kv_cache_memory))]
-    args.append("--enable-prefix-caching" if eng.enable_prefix_caching else "--no-enable-prefix-caching")
-    args.append("--enable-chunked-prefill" if eng.enable_chunked_prefill else "--no-enable-chunked-prefill")
-    return args
+    kv_bytes = None if eng.kv_cache_memory is None else quantity_to_bytes(eng.kv_cache_memory)
+    settings = engine_cli_args(
+        {
+            "dtype": model.dtype,
+            "max_model_len": model.max_model_len,
+            "max_num_seqs": eng.max_num_seqs,
+            "max_num_batched_tokens": eng.max_num_batched_tokens,
+            "block_size": eng.block_size,
+            "kv_cache_memory": kv_bytes,
+            "enable_prefix_caching": eng.enable_prefix_caching,
+            "enable_chunked_prefill": eng.enable_chunked_prefill,
+        }
+    )
+    return [model.source, *settings]
 
 
 def container_command(spec: InferenceClusterSpec, leader: bool) -> tuple[list[str], list[str]]:
     """(command, args): the leader serves the HTTP API and runs the engine core, workers follow it."""
-    args = engine_args(spec)
     if leader:
         served = spec.model.served_name or spec.model.source
+        args = engine_args(spec)
         args += ["--served-model-name", served, "--host", "0.0.0.0", "--port", str(DEFAULT_API_PORT)]
         return ["tessera", "serve"], args
-    return ["tessera", "worker"], args
+    return ["tessera", "worker"], []
 
 
 def resources_for(spec: InferenceClusterSpec) -> dict[str, Any]:

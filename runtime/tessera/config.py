@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tessera.topology import ParallelLayout
 
 
 class EngineConfig(BaseModel):
@@ -26,10 +28,20 @@ class EngineConfig(BaseModel):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads per rank process")
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    sequence_parallel: bool = False
-    layer_partition: list[int] | None = None
+    parallel: ParallelLayout = Field(default_factory=ParallelLayout)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lift_parallel_fields(cls, data: Any) -> Any:
+        """Accept vLLM's flat keywords (``LLM(model, tensor_parallel_size=2)``) as the nested layout."""
+        if isinstance(data, dict) and any(name in data for name in ParallelLayout.model_fields):
+            data = dict(data)
+            parallel = dict(data.pop("parallel", None) or {})
+            for name in ParallelLayout.model_fields:
+                if name in data:
+                    parallel[name] = data.pop(name)
+            data["parallel"] = parallel
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -39,10 +51,8 @@ class EngineConfig(BaseModel):
             and self.max_num_batched_tokens < self.max_model_len
         ):
             raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off")
-        if self.sequence_parallel and self.tensor_parallel_size < 2:
-            raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
         return self
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.parallel.world_size

@@ -68,6 +68,55 @@ def parse_partition(text: str | None) -> list[int] | None:
         ) from exc
 
 
+class ParallelLayout(BaseModel):
+    """How one replica splits a model: the one definition, and the one check, of tp/pp/sp/partition.
+
+    ``EngineConfig.parallel`` is one, ``Topology.layout`` is one, the CLI flags are generated from
+    its fields and the environment contract reads and writes it, so no two places can disagree.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tensor_parallel_size: int = Field(1, ge=1, le=1024, description="tensor-parallel ranks per stage")
+    pipeline_parallel_size: int = Field(1, ge=1, le=1024, description="pipeline stages")
+    sequence_parallel: bool = Field(
+        False, description="shard activations over tokens inside a TP group (needs tensor_parallel_size > 1)"
+    )
+    layer_partition: list[int] | None = Field(
+        None, description="layers per pipeline stage, e.g. 16,14 (default: an even split)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelLayout:
+        if self.sequence_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("sequence_parallel needs tensor_parallel_size > 1")
+        if self.layer_partition is not None:
+            if len(self.layer_partition) != self.pipeline_parallel_size:
+                raise ValueError(
+                    f"layer_partition has {len(self.layer_partition)} entries but "
+                    f"pipeline_parallel_size is {self.pipeline_parallel_size}"
+                )
+            if any(n < 1 for n in self.layer_partition):
+                raise ValueError(f"layer_partition entries must be >= 1, got {self.layer_partition}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
+        return split_layers(num_layers, self.pipeline_parallel_size, self.layer_partition)
+
+
+# The environment variable that carries each ParallelLayout field (error messages name them).
+LAYOUT_ENV = {
+    "tensor_parallel_size": "TESSERA_TP_SIZE",
+    "pipeline_parallel_size": "TESSERA_PP_SIZE",
+    "sequence_parallel": "TESSERA_SEQUENCE_PARALLEL",
+    "layer_partition": "TESSERA_LAYER_PARTITION",
+}
+
+
 class Topology(BaseModel):
     """One rank's place in a replica group, and where to find the group's leader."""
 
@@ -76,12 +125,9 @@ class Topology(BaseModel):
     cluster: str = "local"
     namespace: str = "default"
     group: int = Field(0, ge=0)
-    tp_size: int = Field(1, ge=1)
-    pp_size: int = Field(1, ge=1)
-    sequence_parallel: bool = False
+    layout: ParallelLayout = Field(default_factory=ParallelLayout)
     tp_rank: int = Field(0, ge=0)
     pp_rank: int = Field(0, ge=0)
-    layer_partition: list[int] | None = None
     leader_addr: str = "127.0.0.1"
     dist_port: int = Field(DEFAULT_DIST_PORT, ge=1, le=65535)
     rpc_port: int = Field(DEFAULT_RPC_PORT, ge=1, le=65535)
@@ -93,18 +139,27 @@ class Topology(BaseModel):
             raise ValueError(f"TESSERA_TP_RANK={self.tp_rank} must be < TESSERA_TP_SIZE={self.tp_size}")
         if self.pp_rank >= self.pp_size:
             raise ValueError(f"TESSERA_PP_RANK={self.pp_rank} must be < TESSERA_PP_SIZE={self.pp_size}")
-        if self.sequence_parallel and self.tp_size < 2:
-            raise ValueError("TESSERA_SEQUENCE_PARALLEL needs TESSERA_TP_SIZE > 1")
-        if self.layer_partition is not None and len(self.layer_partition) != self.pp_size:
-            raise ValueError(
-                f"TESSERA_LAYER_PARTITION has {len(self.layer_partition)} entries, "
-                f"TESSERA_PP_SIZE is {self.pp_size}"
-            )
         return self
 
     @property
+    def tp_size(self) -> int:
+        return self.layout.tensor_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.layout.pipeline_parallel_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
+
+    @property
+    def layer_partition(self) -> list[int] | None:
+        return self.layout.layer_partition
+
+    @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.layout.world_size
 
     @property
     def rank(self) -> int:
@@ -158,50 +213,75 @@ class Topology(BaseModel):
     def from_env(cls, environ: Mapping[str, str]) -> Topology:
         """Read and validate the contract; every error names the variable at fault."""
 
-        def read_int(name: str, default: int) -> int:
-            raw = environ.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                return int(raw)
-            except ValueError as exc:
-                raise TopologyError(f"{name} must be an integer, got {raw!r}") from exc
-
-        def read_bool(name: str) -> bool:
-            raw = environ.get(name, "false").strip().lower()
-            if raw in ("1", "true", "yes", "on"):
-                return True
-            if raw in ("0", "false", "no", "off", ""):
-                return False
-            raise TopologyError(f"{name} must be true or false, got {raw!r}")
-
+        layout = layout_from_env(environ)
         try:
             topology = cls(
                 cluster=environ.get("TESSERA_CLUSTER", "local"),
                 namespace=environ.get("TESSERA_NAMESPACE", "default"),
-                group=read_int("TESSERA_GROUP", 0),
-                tp_size=read_int("TESSERA_TP_SIZE", 1),
-                pp_size=read_int("TESSERA_PP_SIZE", 1),
-                sequence_parallel=read_bool("TESSERA_SEQUENCE_PARALLEL"),
-                tp_rank=read_int("TESSERA_TP_RANK", 0),
-                pp_rank=read_int("TESSERA_PP_RANK", 0),
-                layer_partition=parse_partition(environ.get("TESSERA_LAYER_PARTITION")),
+                group=read_int(environ, "TESSERA_GROUP", 0),
+                layout=layout or ParallelLayout(),
+                tp_rank=read_int(environ, "TESSERA_TP_RANK", 0),
+                pp_rank=read_int(environ, "TESSERA_PP_RANK", 0),
                 leader_addr=environ.get("TESSERA_LEADER_ADDR", environ.get("MASTER_ADDR", "127.0.0.1")),
-                dist_port=read_int("TESSERA_DIST_PORT", DEFAULT_DIST_PORT),
-                rpc_port=read_int("TESSERA_RPC_PORT", DEFAULT_RPC_PORT),
-                api_port=read_int("TESSERA_API_PORT", DEFAULT_API_PORT),
+                dist_port=read_int(environ, "TESSERA_DIST_PORT", DEFAULT_DIST_PORT),
+                rpc_port=read_int(environ, "TESSERA_RPC_PORT", DEFAULT_RPC_PORT),
+                api_port=read_int(environ, "TESSERA_API_PORT", DEFAULT_API_PORT),
             )
         except ValidationError as exc:
-            first = exc.errors()[0]
-            raise TopologyError(str(first.get("ctx", {}).get("error", first["msg"]))) from exc
-        if "TESSERA_RANK" in environ and read_int("TESSERA_RANK", 0) != topology.rank:
+            raise TopologyError(_first_error(exc)) from exc
+        if "TESSERA_RANK" in environ and read_int(environ, "TESSERA_RANK", 0) != topology.rank:
             raise TopologyError(
                 f"TESSERA_RANK={environ['TESSERA_RANK']} disagrees with "
                 f"TESSERA_PP_RANK * TESSERA_TP_SIZE + TESSERA_TP_RANK = {topology.rank}"
             )
-        if "TESSERA_WORLD_SIZE" in environ and read_int("TESSERA_WORLD_SIZE", 0) != topology.world_size:
+        if (
+            "TESSERA_WORLD_SIZE" in environ
+            and read_int(environ, "TESSERA_WORLD_SIZE", 0) != topology.world_size
+        ):
             raise TopologyError(
                 f"TESSERA_WORLD_SIZE={environ['TESSERA_WORLD_SIZE']} disagrees with "
                 f"TESSERA_TP_SIZE * TESSERA_PP_SIZE = {topology.world_size}"
             )
         return topology
+
+
+def read_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise TopologyError(f"{name} must be an integer, got {raw!r}") from exc
+
+
+def read_bool(environ: Mapping[str, str], name: str) -> bool:
+    raw = environ.get(name, "false").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off", ""):
+        return False
+    raise TopologyError(f"{name} must be true or false, got {raw!r}")
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    message = str(first.get("ctx", {}).get("error", first["msg"]))
+    for field_name, variable in LAYOUT_ENV.items():
+        message = message.replace(field_name, variable)
+    return message
+
+
+def layout_from_env(environ: Mapping[str, str]) -> ParallelLayout | None:
+    """The parallel layout the operator wrote, or None when the environment names none."""
+    if not any(environ.get(variable) for variable in LAYOUT_ENV.values()):
+        return None
+    try:
+        return ParallelLayout(
+            tensor_parallel_size=read_int(environ, "TESSERA_TP_SIZE", 1),
+            pipeline_parallel_size=read_int(environ, "TESSERA_PP_SIZE", 1),
+            sequence_parallel=read_bool(environ, "TESSERA_SEQUENCE_PARALLEL"),
+            layer_partition=parse_partition(environ.get("TESSERA_LAYER_PARTITION")),
+        )
+    except ValidationError as exc:
+        raise TopologyError(_first_error(exc)) from exc

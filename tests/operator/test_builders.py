@@ -1,7 +1,10 @@
+import argparse
 from typing import Any
 
 import pytest
 
+from tessera.engine.arg_utils import engine_config_from_args
+from tessera.entrypoints.serve_args import add_serve_args
 from tessera.topology import Topology
 from tessera_operator import builders, naming
 from tessera_operator.api import InferenceClusterSpec
@@ -68,8 +71,17 @@ def test_leader_serves_workers_follow_and_only_the_leader_has_a_readiness_probe(
     assert lc["command"] == ["tessera", "serve"] and wc["command"] == ["tessera", "worker"]
     assert lc["args"][0] == "smollm2-135m-instruct"
     assert lc["args"][lc["args"].index("--served-model-name") + 1] == "smollm2"
-    assert wc["args"][wc["args"].index("--kv-cache-memory") + 1] == str(2**30)
-    assert "--no-enable-prefix-caching" in wc["args"] and "--max-model-len" in wc["args"]
+    # The leader's flags parse with the runtime's own parser into the spec's settings; workers
+    # take every setting from their leader.
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    config = engine_config_from_args(parser.parse_args(lc["args"]), "smollm2-135m-instruct")
+    assert (config.kv_cache_memory, config.max_model_len, config.enable_prefix_caching) == (
+        2**30,
+        2048,
+        False,
+    )
+    assert wc["args"] == []
     assert lc["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert "readinessProbe" not in wc
     assert {p["name"] for p in lc["ports"]} == {"dist", "rpc", "http"}

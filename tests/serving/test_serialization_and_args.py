@@ -80,7 +80,7 @@ def test_engine_flags_mirror_vllm_and_fill_engine_config() -> None:
     assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (8, 512, 32)
     assert config.kv_cache_memory == 64 * 1024**2
     assert not config.enable_prefix_caching and not config.enable_chunked_prefill
-    assert (config.dtype, config.max_model_len, config.tensor_parallel_size, config.seed) == (
+    assert (config.dtype, config.max_model_len, config.parallel.tensor_parallel_size, config.seed) == (
         "float32",
         256,
         2,

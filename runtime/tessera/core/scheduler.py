@@ -18,8 +18,13 @@ from tessera.engine.messages import EngineCoreOutput, SchedulerStats
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, max_model_len: int, pipeline_depth: int = 1
+    ) -> None:
         self.max_num_seqs = config.max_num_seqs
+        # Batches in flight at once (pipeline stages): each step takes its share of the requests,
+        # so every stage has a batch to work on instead of one batch walking down the pipeline.
+        self.pipeline_depth = pipeline_depth
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
@@ -63,13 +68,18 @@ class Scheduler:
         self.finished_ids.append(request.request_id)
 
     # -- one step ------------------------------------------------------------------------------
+    def _seqs_per_batch(self) -> int:
+        active = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        return max(1, -(-active // self.pipeline_depth))
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_tokens: dict[str, int] = {}
         self.preempted_this_step = False
+        seqs_left = self._seqs_per_batch()
 
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and seqs_left > 0:
             request = self.running[index]
             count = self._tokens_to_schedule(request, budget)
             if count == 0:  # everything in flight already (pipeline parallelism)
@@ -79,6 +89,7 @@ class Scheduler:
                 break
             num_tokens[request.request_id] = count
             budget -= count
+            seqs_left -= 1
             index += 1
 
         # Admit waiting requests only when nothing was preempted: otherwise they would
@@ -87,6 +98,7 @@ class Scheduler:
             not self.preempted_this_step
             and self.waiting
             and budget > 0
+            and seqs_left > 0
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting[0]
@@ -108,9 +120,11 @@ class Scheduler:
             self.running.append(request)
             num_tokens[request.request_id] = count
             budget -= count
+            seqs_left -= 1
 
-        output = SchedulerOutput(finished_request_ids=self.finished_ids)
-        self.finished_ids = []
+        output = SchedulerOutput()
+        if num_tokens:  # an empty step is not sent: its finished ids wait for the next one
+            output.finished_request_ids, self.finished_ids = self.finished_ids, []
         for request in self.running:
             count = num_tokens.get(request.request_id, 0)
             if count == 0:
@@ -130,6 +144,7 @@ class Scheduler:
                     new=new,
                 )
             )
+            output.preemption_epochs[request.request_id] = request.num_preemptions
             output.num_scheduled_tokens += count
             request.num_computed_tokens = start + count
         return output
@@ -176,6 +191,8 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while in flight
+            if request.num_preemptions != scheduler_output.preemption_epochs.get(request_id):
+                continue  # preempted and rescheduled while this batch was in flight: stale
             token_id = runner_output.sampled_token_ids[row]
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)

@@ -1,6 +1,13 @@
-"""Tensor-parallel collectives. A group of one (or none) makes every call a no-op."""
+"""Tensor-parallel collectives. A group of one (or none) makes every call a no-op.
+
+Every call is timed into ``COMM_STATS`` (the benchmark reports communication's share of a
+step). On CUDA the timings cover only the launch of asynchronous NCCL work.
+"""
 
 from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -8,8 +15,42 @@ import torch.distributed as dist
 from tessera.distributed.parallel_state import ParallelGroup, get_tp_group
 
 
+@dataclass
+class CommStats:
+    """Cumulative communication of this rank since it started (or since ``reset``)."""
+
+    collective_seconds: float = 0.0
+    collective_calls: int = 0
+    p2p_seconds: float = 0.0
+    p2p_bytes_sent: int = 0
+    p2p_bytes_received: int = 0
+
+    def reset(self) -> None:
+        for name, value in asdict(CommStats()).items():
+            setattr(self, name, value)
+
+    def snapshot(self) -> dict[str, float]:
+        return asdict(self)
+
+
+COMM_STATS = CommStats()
+
+
 def _active(group: ParallelGroup | None) -> ParallelGroup | None:
     return group if group is not None and group.world_size > 1 else None
+
+
+def padded_rows(num_rows: int, tp_size: int) -> int:
+    """Token rows padded to a multiple of the TP size (sequence parallelism shards them evenly)."""
+    return -(-num_rows // tp_size) * tp_size
+
+
+def pad_rows(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``num_rows`` (itself when already that long)."""
+    missing = num_rows - tensor.shape[0]
+    if missing == 0:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((missing, *tensor.shape[1:]))])
 
 
 def tp_all_reduce(tensor: torch.Tensor, group: ParallelGroup | None = None) -> torch.Tensor:
@@ -17,7 +58,9 @@ def tp_all_reduce(tensor: torch.Tensor, group: ParallelGroup | None = None) -> t
     active = _active(group or get_tp_group())
     if active is None:
         return tensor
+    started = time.perf_counter()
     dist.all_reduce(tensor, group=active.process_group)
+    _count(started)
     return tensor
 
 
@@ -26,28 +69,30 @@ def tp_all_gather(tensor: torch.Tensor, dim: int = -1, group: ParallelGroup | No
     active = _active(group or get_tp_group())
     if active is None:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(active.world_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=active.process_group)
-    return torch.cat(parts, dim=dim)
+    started = time.perf_counter()
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] * active.world_size, *moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved, group=active.process_group)
+    _count(started)
+    return out.movedim(0, dim)
 
 
 def tp_reduce_scatter(tensor: torch.Tensor, dim: int = 0, group: ParallelGroup | None = None) -> torch.Tensor:
-    """Sum over the TP group and keep this rank's 1/world_size slice of ``dim`` (must divide evenly).
-
-    gloo has no reduce-scatter, so there the sum is an all-reduce followed by a slice: the
-    same result, more traffic.
-    """
+    """Sum over the TP group and keep this rank's 1/world_size slice of ``dim`` (must divide evenly)."""
     active = _active(group or get_tp_group())
     if active is None:
         return tensor
     size = tensor.shape[dim]
     if size % active.world_size:
         raise ValueError(f"reduce-scatter: dim {dim} of size {size} is not divisible by {active.world_size}")
-    chunk = size // active.world_size
-    if dist.get_backend(active.process_group) == "gloo":
-        reduced = tp_all_reduce(tensor.clone(), active)
-        return reduced.narrow(dim, active.rank_in_group * chunk, chunk).contiguous()
+    started = time.perf_counter()
     moved = tensor.movedim(dim, 0).contiguous()
-    out = torch.empty((chunk, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    out = moved.new_empty((size // active.world_size, *moved.shape[1:]))
     dist.reduce_scatter_tensor(out, moved, group=active.process_group)
+    _count(started)
     return out.movedim(0, dim)
+
+
+def _count(started: float) -> None:
+    COMM_STATS.collective_seconds += time.perf_counter() - started
+    COMM_STATS.collective_calls += 1

@@ -8,12 +8,18 @@ positional argument added by each command.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
 from tessera.config import EngineConfig
+from tessera.topology import LAYOUT_ENV, layout_from_env
 
 # Short aliases users of vLLM and of DESIGN.md (`tessera serve MODEL --tp 2 --pp 2`) type.
 _ALIASES: dict[str, list[str]] = {
@@ -48,10 +54,26 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+def _leaf_fields(model: type[BaseModel] = EngineConfig) -> list[tuple[str, FieldInfo]]:
+    """The configuration's flag-carrying fields: nested models (the parallel layout) are flattened."""
+    leaves: list[tuple[str, FieldInfo]] = []
+    for name, field in model.model_fields.items():
+        kind = _base_type(field.annotation)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            leaves += _leaf_fields(kind)
+        else:
+            leaves.append((name, field))
+    return leaves
+
+
+def _default_of(field: FieldInfo) -> Any:
+    return None if field.default_factory is not None else field.default
+
+
 def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ("model", "seed")) -> None:
     """Add the engine flags. `seed` is left out by default: `tessera generate` uses --seed for sampling."""
     group = parser.add_argument_group("engine")
-    for name, field in EngineConfig.model_fields.items():
+    for name, field in _leaf_fields():
         if name in exclude:
             continue
         flags = ["--" + name.replace("_", "-"), *_ALIASES.get(name, [])]
@@ -71,13 +93,50 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
             kwargs["help"] = help_text + " (comma-separated)"
         elif kind in (int, float, str):
             kwargs["type"] = kind
-        kwargs["help"] = f"{kwargs['help']} (default: {field.default})".strip()
+        kwargs["help"] = f"{kwargs['help']} (default: {_default_of(field)})".strip()
         group.add_argument(*flags, **kwargs)
 
 
-def engine_config_from_args(args: argparse.Namespace, model: str | None = None) -> EngineConfig:
-    """An EngineConfig from parsed flags; unset flags keep EngineConfig's defaults."""
-    values = {name: getattr(args, name) for name in EngineConfig.model_fields if hasattr(args, name)}
+def engine_config_from_args(
+    args: argparse.Namespace, model: str | None = None, environ: Mapping[str, str] = os.environ
+) -> EngineConfig:
+    """An EngineConfig from parsed flags; unset flags keep EngineConfig's defaults.
+
+    In a pod the parallel layout comes from the topology environment the operator wrote
+    (TESSERA_TP_SIZE, ...); a flag that says otherwise is an error, not a silent override.
+    """
+    values = {name: getattr(args, name) for name, _ in _leaf_fields() if hasattr(args, name)}
     if model is not None:
         values["model"] = model
+    layout = layout_from_env(environ)
+    if layout is not None:
+        for name, value in layout.model_dump().items():
+            if name in values and values[name] != value:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} {values[name]} contradicts the topology environment ({LAYOUT_ENV[name]})"
+                )
+            values[name] = value
     return EngineConfig(**values)
+
+
+def engine_cli_args(values: dict[str, Any]) -> list[str]:
+    """The flags that reproduce ``values`` (EngineConfig leaf field -> value), from the same definitions.
+
+    The operator builds rank pod commands with this, so a flag renamed here cannot drift there.
+    """
+    fields = dict(_leaf_fields())
+    args: list[str] = []
+    for name, value in values.items():
+        if name not in fields:
+            raise KeyError(f"{name!r} is not an engine setting")
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):
+            args += [flag, ",".join(str(v) for v in value)]
+        else:
+            args += [flag, str(value)]
+    return args

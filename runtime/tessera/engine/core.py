@@ -1,18 +1,33 @@
 """The engine core: scheduler + executor, one step at a time.
 
 In-process for the offline ``LLM``; wrapped in its own busy-loop process for serving.
+
+With pipeline parallelism up to ``pp_size`` batches are in flight (vLLM's batch queue): a
+step submits a new batch while there is room and work, and otherwise finishes the oldest
+batch in flight. A request in flight is not scheduled again until its token returns (the
+scheduler advanced its computed tokens when it scheduled it). With one stage this is the
+plain loop: schedule, execute, update.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from collections import deque
+from concurrent.futures import Future
 
 from tessera.config import EngineConfig
 from tessera.core.request import Request
+from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.core.scheduler import Scheduler
-from tessera.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from tessera.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tessera.executor import make_executor
+from tessera.executor.base import ExecutorFailedError
 from tessera.models.registry import resolve_model
+from tessera.sampling_params import SamplingParams
+
+STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
+WARM_UP_REQUEST_ID = "tessera-warm-up"
 
 
 class EngineCore:
@@ -21,7 +36,24 @@ class EngineCore:
         self.model_dir = resolve_model(config.model)
         self.executor = make_executor(config, self.model_dir)
         self.max_model_len = self.executor.max_model_len
-        self.scheduler = Scheduler(config, self.executor.num_kv_blocks, self.max_model_len)
+        self.num_kv_blocks = self.executor.num_kv_blocks
+        self.block_size = config.block_size
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.scheduler = Scheduler(
+            config, self.num_kv_blocks, self.max_model_len, pipeline_depth=self.max_concurrent_batches
+        )
+        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        if config.world_size > 1:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One token through every rank before anyone calls the engine ready: rendezvous, every
+        stage-to-stage transfer and every collective have then worked once."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.add_request(EngineCoreRequest(WARM_UP_REQUEST_ID, [0] * 4, params, None, time.time()))
+        while self.has_unfinished_requests():
+            self.step()
+        self.reset_prefix_cache()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request))
@@ -30,17 +62,49 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
-        outputs = []
-        if self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
-            runner_output = self.executor.execute_model(scheduler_output)
-            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs: list[EngineCoreOutput] = []
+        if self._submit() and len(self.batch_queue) < self.max_concurrent_batches:
+            # Room for another batch in flight: fill the pipeline before waiting on it.
+            return EngineCoreOutputs(timestamp=time.time())
+        if self.batch_queue:
+            scheduler_output, future = self.batch_queue.popleft()
+            outputs = self.scheduler.update_from_output(scheduler_output, self._result(future))
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
         )
+
+    def _submit(self) -> bool:
+        """Schedule a batch and hand it to the executor, if there is room and work; True if it did."""
+        if (
+            len(self.batch_queue) >= self.max_concurrent_batches
+            or not self.scheduler.has_unfinished_requests()
+        ):
+            return False
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return False
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        assert isinstance(future, Future)
+        self.batch_queue.append((scheduler_output, future))
+        return True
+
+    def _result(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
+        try:
+            return future.result(timeout=STEP_TIMEOUT_S)
+        except TimeoutError:
+            raise ExecutorFailedError(
+                f"a step got no answer from the ranks in {STEP_TIMEOUT_S:.0f} s"
+            ) from None
+
+    def check_health(self) -> None:
+        """Raise when the ranks are gone, so an idle engine fails as promptly as a busy one."""
+        self.executor.check_health()
+
+    def make_stats(self):  # -> SchedulerStats
+        return self.scheduler.make_stats()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

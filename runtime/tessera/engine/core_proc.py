@@ -85,13 +85,23 @@ class EngineCoreProc:
         self.output_queue.put((READY, ready_info))
         while True:
             # Idle: block until the frontend sends something.
-            if not self.engine.has_unfinished_requests() and not self._handle(*self.input_queue.get()):
+            if not self.engine.has_unfinished_requests() and not self._handle(*self._next_input()):
                 return
             while not self.input_queue.empty():
                 if not self._handle(*self.input_queue.get_nowait()):
                     return
             if self.engine.has_unfinished_requests():
                 self._step()
+
+    def _next_input(self) -> tuple[bytes, Any]:
+        """Block for the next message; meanwhile check the ranks, so an idle engine fails promptly too."""
+        while True:
+            try:
+                return self.input_queue.get(timeout=1.0)
+            except queue.Empty:
+                check_health = getattr(self.engine, "check_health", None)
+                if check_health is not None:
+                    check_health()
 
     def _step(self) -> None:
         started = time.time()

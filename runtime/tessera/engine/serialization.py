@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 
+from tessera.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tessera.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -31,6 +32,11 @@ _REGISTRY: dict[str, type] = {
         EngineCoreOutput,
         EngineCoreOutputs,
         SchedulerStats,
+        # The engine core's steps, broadcast to worker ranks, and what the output rank returns.
+        SchedulerOutput,
+        ScheduledRequest,
+        NewRequestData,
+        ModelRunnerOutput,
     )
 }
 _FIELDS: dict[type, tuple[str, ...]] = {

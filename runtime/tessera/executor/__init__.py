@@ -1,19 +1,24 @@
-"""Executors: how the engine core runs its ranks."""
+"""Executors: how the engine core runs its ranks (see base.py)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tessera.config import EngineConfig
 from tessera.executor.base import Executor
+from tessera.topology import Topology
 
 
 def make_executor(config: EngineConfig, model_dir: Path) -> Executor:
+    """In-process for one rank; in a pod (the topology environment is set), the other ranks are
+    pods that join over TCP; otherwise every rank is a local process."""
     if config.world_size == 1:
         from tessera.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config, model_dir)
-    raise NotImplementedError(
-        f"tensor_parallel_size={config.tensor_parallel_size} x pipeline_parallel_size="
-        f"{config.pipeline_parallel_size}: multi-rank execution is not available in this build yet"
-    )
+    from tessera.executor.distributed import MultiprocExecutor, RemoteRanksExecutor
+
+    if "TESSERA_RANK" in os.environ:
+        return RemoteRanksExecutor(config, model_dir, Topology.from_env(os.environ))
+    return MultiprocExecutor(config, model_dir)

@@ -1,18 +1,42 @@
-"""How the engine core reaches its ranks: one interface, one implementation per way of running them."""
+"""How the engine core reaches its ranks: one interface, one implementation per way of running them.
+
+- ``uniproc.UniProcExecutor``: world size 1, the rank runs in the engine core's own process.
+- ``distributed.MultiprocExecutor``: every rank is a local process (`tessera serve --tp T --pp P`).
+- ``distributed.RemoteRanksExecutor``: rank 0 is local, the others are pods Kubernetes started,
+  which join over TCP (the topology contract tells each where its leader is).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any
 
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+class ExecutorFailedError(RuntimeError):
+    """A rank died, hung or misbehaved: the engine cannot go on."""
 
 
 class Executor(ABC):
     max_model_len: int
     num_kv_blocks: int
+    # Batches the engine core may keep in flight: one per pipeline stage.
+    max_concurrent_batches: int = 1
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """Call ``method(*args)`` on every rank's worker; their results in rank order."""
+
+    @abstractmethod
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Run one step on every rank; the output (or, with ``non_block``, a future of it)."""
+
+    def check_health(self) -> None:  # noqa: B027 - optional hook
+        """Raise ExecutorFailedError when a rank is gone (called while the engine is idle too)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass

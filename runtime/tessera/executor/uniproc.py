@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -17,5 +19,16 @@ class UniProcExecutor(Executor):
         self.num_kv_blocks = self.worker.determine_num_blocks()
         self.worker.init_kv_cache(self.num_kv_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        output = self.worker.execute_model(scheduler_output)
+        assert output is not None  # the only rank is the output rank
+        if not non_block:
+            return output
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(output)
+        return future

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.distributed.communication import padded_rows, tp_all_gather
+from tessera.models.checkpoint import CheckpointTensor, materialize
 from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.models.layers.activation import SiluAndMul
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
@@ -63,7 +65,9 @@ class PPMissingLayer(nn.Identity):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer: int, dtype: torch.dtype, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self, config: Any, layer: int, dtype: torch.dtype, tp_rank: int, tp_size: int, sp: bool = False
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         heads = config.num_attention_heads
@@ -80,9 +84,16 @@ class LlamaAttention(nn.Module):
             params_dtype=dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            sequence_parallel=sp,
         )
         self.o_proj = RowParallelLinear(
-            heads * head_dim, hidden, bias=o_bias, params_dtype=dtype, tp_rank=tp_rank, tp_size=tp_size
+            heads * head_dim,
+            hidden,
+            bias=o_bias,
+            params_dtype=dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            sequence_parallel=sp,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -101,8 +112,10 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        n = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
+        # With sequence parallelism qkv_proj gathers the token shards (padded to a multiple of
+        # the TP size): attention runs on the real tokens only, the rows rope has.
+        n = rope.shape[0]
+        qkv = self.qkv_proj(hidden_states)[:n]
         # Q and K sit side by side in the fused output: rotate all their heads in one pass, in place.
         heads = qkv.view(n, -1, self.head_dim)
         apply_rotary_(heads[:, : self.num_heads + self.num_kv_heads], rope)
@@ -112,7 +125,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, tp_rank: int, tp_size: int, sp: bool = False) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (silu is)")
@@ -125,9 +138,16 @@ class LlamaMLP(nn.Module):
             params_dtype=dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            sequence_parallel=sp,
         )
         self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, bias=bias, params_dtype=dtype, tp_rank=tp_rank, tp_size=tp_size
+            inter,
+            config.hidden_size,
+            bias=bias,
+            params_dtype=dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            sequence_parallel=sp,
         )
         self.act = SiluAndMul()
 
@@ -136,11 +156,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer: int, dtype: torch.dtype, tp_rank: int, tp_size: int) -> None:
+    """Norms and residual adds run on whatever rows arrive: all tokens, or with sequence
+    parallelism this rank's shard of them (the linears gather and scatter around themselves)."""
+
+    def __init__(
+        self, config: Any, layer: int, dtype: torch.dtype, tp_rank: int, tp_size: int, sp: bool = False
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer, dtype, tp_rank, tp_size)
-        self.mlp = LlamaMLP(config, dtype, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, layer, dtype, tp_rank, tp_size, sp)
+        self.mlp = LlamaMLP(config, dtype, tp_rank, tp_size, sp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
 
@@ -168,16 +193,17 @@ class LlamaModel(nn.Module):
         layer_range: tuple[int, int],
         is_first_stage: bool,
         is_last_stage: bool,
+        sp: bool = False,
     ) -> None:
         super().__init__()
         self.start_layer, self.end_layer = layer_range
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size, sp)
             if is_first_stage
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, tp_rank, tp_size)
+            LlamaDecoderLayer(config, i, dtype, tp_rank, tp_size, sp)
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
             for i in range(config.num_hidden_layers)
@@ -197,17 +223,26 @@ class LlamaForCausalLM(nn.Module):
         pp_rank: int = 0,
         pp_size: int = 1,
         layer_partition: list[int] | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.num_layers = config.num_hidden_layers
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.sequence_parallel = sequence_parallel and tp_size > 1
         self.layer_range = split_layers(self.num_layers, pp_size, layer_partition)[pp_rank]
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(
-            config, dtype, tp_rank, tp_size, self.layer_range, self.is_first_stage, self.is_last_stage
+            config,
+            dtype,
+            tp_rank,
+            tp_size,
+            self.layer_range,
+            self.is_first_stage,
+            self.is_last_stage,
+            self.sequence_parallel,
         )
         self.lm_head: ParallelLMHead | None = None
         if self.is_last_stage:
@@ -261,7 +296,15 @@ class LlamaForCausalLM(nn.Module):
             return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         assert self.model.norm is not None
         hidden_states, _ = self.model.norm(hidden_states, residual)
+        if self.sequence_parallel:  # logits need every token's row: gather the shards, drop padding
+            hidden_states = tp_all_gather(hidden_states, dim=0)[: positions.shape[0]]
         return hidden_states
+
+    def intermediate_rows(self, num_tokens: int) -> int:
+        """Rows of each tensor this rank exchanges with its pipeline neighbours for a batch."""
+        if self.sequence_parallel:
+            return padded_rows(num_tokens, self.tp_size) // self.tp_size
+        return num_tokens
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[M, hidden] -> [M, vocab] float32 (pass only the rows whose next token is sampled)."""
@@ -269,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head.compute_logits(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> set[str]:
         """Copy checkpoint tensors into this rank's parameters; returns the parameter names filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -287,7 +330,7 @@ class LlamaForCausalLM(nn.Module):
                     param = params[target]
                     loader = getattr(param, "weight_loader", None)
                     if loader is None:
-                        param.data.copy_(tensor)
+                        param.data.copy_(materialize(tensor))
                     else:
                         loader(param, tensor)
                 else:

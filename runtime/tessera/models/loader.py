@@ -1,9 +1,8 @@
 """Build a model from a Hugging Face folder and stream its safetensors weights into it.
 
-transformers supplies only the config; the forward pass is Tessera's. Tensors are read one
-at a time (memory-mapped) and each parameter's ``weight_loader`` keeps this rank's slice,
-so a rank never holds more than its shard plus one checkpoint tensor. Layers of other
-pipeline stages are never read.
+transformers supplies only the config; the forward pass is Tessera's. Tensors are read
+lazily (memory-mapped): each parameter's ``weight_loader`` reads only this rank's slice of
+its checkpoint tensor, and layers of other pipeline stages are never read at all.
 """
 
 from __future__ import annotations
@@ -11,12 +10,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from tessera.models.checkpoint import iterate_lazily
 from tessera.models.layers.linear import process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
 
@@ -67,15 +65,6 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_checkpoint(folder: Path, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every checkpoint tensor (or only the ``wanted`` names)."""
-    for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if wanted is None or name in wanted:
-                    yield name, handle.get_tensor(name)
-
-
 def load_model(
     folder: Path,
     *,
@@ -86,6 +75,7 @@ def load_model(
     pp_rank: int = 0,
     pp_size: int = 1,
     layer_partition: list[int] | None = None,
+    sequence_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """This rank's part of the model in ``folder``, on ``device`` in ``dtype``, ready for inference."""
     started = time.monotonic()
@@ -102,9 +92,10 @@ def load_model(
             pp_rank=pp_rank,
             pp_size=pp_size,
             layer_partition=layer_partition,
+            sequence_parallel=sequence_parallel,
         )
     with torch.no_grad():
-        loaded = model.load_weights(iterate_checkpoint(folder))
+        loaded = model.load_weights(iterate_lazily(safetensors_files(folder)))
     missing = model.missing_parameters(loaded)
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks tensors for: {', '.join(missing[:8])}")

@@ -7,6 +7,7 @@ Decodes are placed first so attention can batch them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,9 +16,11 @@ import torch
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tessera.engine.messages import TokenLogprobs
+from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.models.layers.attention import AttentionMetadata
 from tessera.models.loader import load_model
 from tessera.sampling_params import SamplingParams
+from tessera.topology import Topology
 from tessera.worker.sampler import Sampler, SamplingMetadata
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -40,17 +43,40 @@ class CachedRequestState:
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model_dir: Path, device: torch.device, dtype: torch.dtype
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        topology: Topology | None = None,
     ) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.model = load_model(model_dir, dtype=dtype, device=device)
+        topology = topology or Topology(layout=config.parallel)
+        self.model = load_model(
+            model_dir,
+            dtype=dtype,
+            device=device,
+            tp_rank=topology.tp_rank,
+            tp_size=topology.tp_size,
+            pp_rank=topology.pp_rank,
+            pp_size=topology.pp_size,
+            layer_partition=topology.layer_partition,
+            sequence_parallel=topology.sequence_parallel,
+        )
         self.max_model_len = config.max_model_len or int(self.model.config.max_position_embeddings)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self._steps, self._step_seconds = 0, 0.0
+
+    def step_stats(self) -> dict[str, float]:
+        return {"steps": self._steps, "step_seconds": self._step_seconds}
+
+    def reset_step_stats(self) -> None:
+        self._steps, self._step_seconds = 0, 0.0
 
     # -- KV cache -------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -172,20 +198,47 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+        sample: bool = True,
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """One forward pass of this rank's layers.
+
+        A pipeline stage before the last returns the activations for the next stage; the last
+        stage computes logits (a collective over its TP group) and, where ``sample``, samples.
+        """
+        started = time.perf_counter()
+        try:
+            return self._execute(scheduler_output, intermediate_tensors, sample)
+        finally:
+            self._steps += 1
+            self._step_seconds += time.perf_counter() - started
+
+    def _execute(
+        self,
+        scheduler_output: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None,
+        sample: bool,
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
         self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
         # Decodes first (stable sort keeps the scheduler's order within each kind).
         batch = sorted(scheduler_output.scheduled, key=lambda s: len(s.token_ids) != 1)
         input_ids, positions, metadata = self._prepare_inputs(batch)
-        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
+        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata, intermediate_tensors)
+        if isinstance(hidden_states, IntermediateTensors):
+            return hidden_states
 
         sampled = [row for row, scheduled in enumerate(batch) if scheduled.sample]
         if not sampled:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
         last_token_rows = torch.tensor([metadata.query_start_loc_list[row + 1] - 1 for row in sampled])
         logits = self.model.compute_logits(hidden_states[last_token_rows.to(self.device)])
+        if not sample:
+            return None
         states = [self.requests[batch[row].request_id] for row in sampled]
         output = self.sampler(logits, self._sampling_metadata(states))
 

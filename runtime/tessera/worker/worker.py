@@ -1,17 +1,33 @@
-"""One rank: picks its device and thread count, owns a model runner and its KV cache."""
+"""One rank: picks its device and thread count, joins its process groups, owns a model runner.
+
+The same class serves the in-process executor (world size 1) and the worker processes of
+the multi-rank executors (``worker_proc.py``). Between pipeline stages it moves activations:
+a stage other than the first receives the previous stage's output before running its layers,
+a stage other than the last sends its output on and returns nothing. Only the last stage's
+TP rank 0 returns sampled tokens.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tessera.distributed import pipeline
+from tessera.distributed.communication import COMM_STATS
+from tessera.distributed.parallel_state import destroy_distributed, init_distributed
+from tessera.models.intermediate_tensors import IntermediateTensors
+from tessera.topology import Topology
 from tessera.worker.model_runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Bounds every collective and stage-to-stage transfer: a peer that died or hangs makes the
+# next one raise instead of blocking forever (the leader's heartbeats usually notice first).
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT", "120"))
 
 
 def select_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
@@ -28,20 +44,38 @@ def select_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def default_num_threads(local_world_size: int = 1) -> int:
-    return max(1, (os.cpu_count() or 1) // local_world_size)
+    """This process's share of the cores it may run on (its affinity mask, e.g. a container's)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world_size)
 
 
 class Worker:
     def __init__(
-        self, config: EngineConfig, model_dir: Path, local_rank: int = 0, local_world_size: int = 1
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        topology: Topology | None = None,
+        local_rank: int = 0,
+        local_world_size: int = 1,
     ) -> None:
+        self.topology = topology or Topology(layout=config.parallel)
         self.device = select_device(config, local_rank)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or default_num_threads(local_world_size))
         else:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config, model_dir, self.device, select_dtype(config, self.device))
+        self.distributed = self.topology.world_size > 1
+        if self.distributed:
+            init_distributed(self.topology, self.device, COLLECTIVE_TIMEOUT_S)
+        self.runner = ModelRunner(
+            config, model_dir, self.device, select_dtype(config, self.device), self.topology
+        )
+        self.is_first_stage = self.topology.pp_rank == 0
+        self.is_last_stage = self.topology.is_last_stage
+        # The one rank whose sampled tokens go back to the engine core.
+        self.is_output_rank = self.is_last_stage and self.topology.tp_rank == 0
+        self.sender = pipeline.PipelineSender()
 
     @property
     def max_model_len(self) -> int:
@@ -53,5 +87,31 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput, step_id: int = 0) -> ModelRunnerOutput | None:
+        intermediate = None
+        if not self.is_first_stage and scheduler_output.scheduled:
+            runner = self.runner
+            intermediate = pipeline.receive(
+                step_id,
+                runner.model.intermediate_rows(scheduler_output.num_scheduled_tokens),
+                runner.model.config.hidden_size,
+                runner.dtype,
+                self.device,
+            )
+        result = self.runner.execute_model(scheduler_output, intermediate, sample=self.is_output_rank)
+        if isinstance(result, IntermediateTensors):
+            self.sender.send(result, step_id)
+            return None
+        return result if self.is_output_rank else None
+
+    def comm_stats(self) -> dict[str, Any]:
+        return {"rank": self.topology.rank, **COMM_STATS.snapshot(), **self.runner.step_stats()}
+
+    def reset_comm_stats(self) -> None:
+        COMM_STATS.reset()
+        self.runner.reset_step_stats()
+
+    def shutdown(self) -> None:
+        if self.distributed:
+            self.sender.flush()
+            destroy_distributed()

@@ -6,7 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.distributed.communication import tp_all_gather, tp_all_reduce
+from tessera.distributed.communication import (
+    pad_rows,
+    padded_rows,
+    tp_all_gather,
+    tp_all_reduce,
+    tp_reduce_scatter,
+)
 from tessera.models.layers.linear import PackedWeight, linear
 
 # Padding the vocabulary to a multiple of this (per rank) keeps matmul shapes friendly.
@@ -26,10 +32,13 @@ class VocabParallelEmbedding(nn.Module):
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Sequence parallelism: sum the partial embeddings by reduce-scatter, keep a token shard.
+        self.scatter_output = sequence_parallel and tp_size > 1
         self.num_embeddings_padded = pad_vocab(num_embeddings, tp_size)
         self.per_partition = self.num_embeddings_padded // tp_size
         self.vocab_start = tp_rank * self.per_partition
@@ -56,6 +65,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(outside, 0)
         embedded = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        if self.scatter_output:
+            return tp_reduce_scatter(pad_rows(embedded, padded_rows(embedded.shape[0], self.tp_size)), dim=0)
         return tp_all_reduce(embedded)
 
 

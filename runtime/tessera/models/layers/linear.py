@@ -19,8 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.distributed.communication import tp_all_gather, tp_all_reduce
+from tessera.distributed.communication import (
+    pad_rows,
+    padded_rows,
+    tp_all_gather,
+    tp_all_reduce,
+    tp_reduce_scatter,
+)
 from tessera.kernels import native_ops
+from tessera.models.checkpoint import CheckpointTensor, materialize
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -104,12 +111,12 @@ class LinearBase(nn.Module):
         return linear(x, self.weight, self.packed_weight, bias)
 
 
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor | CheckpointTensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(
             f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
         )
-    param.copy_(loaded)
+    param.copy_(materialize(loaded))
 
 
 class ReplicatedLinear(LinearBase):
@@ -145,9 +152,12 @@ class ColumnParallelLinear(LinearBase):
         tp_rank: int = 0,
         tp_size: int = 1,
         output_sizes: list[int] | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Sequence parallelism: the input arrives sharded over tokens and is gathered here.
+        self.gather_input = sequence_parallel and tp_size > 1
         self.input_size = input_size
         self.output_sizes = output_sizes or [output_size]
         self.output_size_per_partition = divide(output_size, tp_size)
@@ -163,6 +173,8 @@ class ColumnParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather_input:
+            x = tp_all_gather(x, dim=0)
         y = self.matmul(x, self.bias)
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
@@ -182,6 +194,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        sequence_parallel: bool = False,
     ) -> None:
         for size in output_sizes:
             divide(size, tp_size)
@@ -193,6 +206,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             tp_rank=tp_rank,
             tp_size=tp_size,
             output_sizes=output_sizes,
+            sequence_parallel=sequence_parallel,
         )
 
     def weight_loader(  # type: ignore[override]
@@ -221,9 +235,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        sequence_parallel: bool = False,
     ) -> None:
         self.head_dim = head_dim
-        self.num_heads = divide(total_num_heads, tp_size)
+        if total_num_heads % tp_size:
+            raise ValueError(
+                f"{total_num_heads} attention heads do not split over tensor_parallel_size={tp_size}: "
+                "choose a tensor-parallel size that divides the number of query heads"
+            )
+        self.num_heads = total_num_heads // tp_size
         if tp_size >= total_num_kv_heads:
             self.num_kv_heads = 1
             self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
@@ -238,6 +258,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             params_dtype=params_dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            sequence_parallel=sequence_parallel,
         )
         self.q_size, self.kv_size = q_size, kv_size
 
@@ -260,7 +281,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Y = X A with A split by input rows; partial products are summed over the TP group.
 
-    The bias is added once, after the reduction, so it is not counted tp_size times.
+    The bias is added once, after the reduction, so it is not counted tp_size times. With
+    sequence parallelism the sum is a reduce-scatter over tokens (rows padded to a multiple of
+    the TP size): each rank keeps only its shard of the output.
     """
 
     def __init__(
@@ -272,11 +295,13 @@ class RowParallelLinear(LinearBase):
         params_dtype: torch.dtype | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.input_size_per_partition = divide(input_size, tp_size)
         self.reduce_results = reduce_results
+        self.scatter_output = sequence_parallel and tp_size > 1
         self.weight = _param((output_size, self.input_size_per_partition), params_dtype)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias = _param((output_size,), params_dtype) if bias else None
@@ -294,7 +319,9 @@ class RowParallelLinear(LinearBase):
         if self.tp_size == 1:
             return self.matmul(x, self.bias)
         y = self.matmul(x, None)
-        if self.reduce_results:
+        if self.scatter_output:
+            y = tp_reduce_scatter(pad_rows(y, padded_rows(y.shape[0], self.tp_size)), dim=0)
+        elif self.reduce_results:
             y = tp_all_reduce(y)
         return y + self.bias if self.bias is not None else y
 

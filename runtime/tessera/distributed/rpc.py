@@ -1,0 +1,226 @@
+"""The engine core's channel to its ranks: ZeroMQ, msgpack wire types (never pickle), heartbeats.
+
+The leader binds one ROUTER socket (IPC for local ranks, TCP on ``TESSERA_RPC_PORT`` for pods);
+each rank connects a DEALER whose identity is its rank. One I/O thread owns each socket (ZeroMQ
+sockets are not thread-safe) and talks to its own process's threads through an inproc pair, so
+a rank whose main thread is busy in a forward pass, or blocked in a collective, still answers
+heartbeats, and still notices when its leader is gone.
+
+Leader -> rank: WELCOME (the engine configuration), CALL (collective RPC), EXECUTE (a step's
+SchedulerOutput), PING, SHUTDOWN, ABORT (the engine failed: exit non-zero at once). Rank -> leader: HELLO, READY, RESULT, OUTPUT (only the last
+stage's TP rank 0), PONG, FATAL (a traceback, before the rank exits non-zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from tessera.engine import serialization
+
+logger = logging.getLogger(__name__)
+
+WELCOME, CALL, EXECUTE, PING = b"WELCOME", b"CALL", b"EXECUTE", b"PING"
+SHUTDOWN, ABORT = b"SHUTDOWN", b"ABORT"
+HELLO, READY, RESULT, OUTPUT, PONG, FATAL = b"HELLO", b"READY", b"RESULT", b"OUTPUT", b"PONG", b"FATAL"
+
+HEARTBEAT_INTERVAL_S = 1.0
+# A rank that sends nothing for this long is dead or stopped (SIGSTOP); so is a silent leader.
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("TESSERA_HEARTBEAT_TIMEOUT", "5"))
+MAX_MESSAGE_BYTES = 256 << 20
+_WAKE = "inproc://tessera-rpc-wake"
+
+
+def _identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+class LeaderChannel:
+    """The engine core's end: broadcasts to every rank, routes replies, watches heartbeats.
+
+    ``on_message(rank, kind, payload)`` runs on the I/O thread for every message but PONG;
+    ``on_failure(reason)`` runs once when a known rank falls silent.
+    """
+
+    def __init__(
+        self,
+        bind_addrs: list[str],
+        world_size: int,
+        on_message: Callable[[int, bytes, Any], None],
+        on_failure: Callable[[str], None],
+    ) -> None:
+        self.world_size = world_size
+        self._on_message, self._on_failure = on_message, on_failure
+        self._zmq = zmq.Context()
+        self._router = self._zmq.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a missing rank raises
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._router.setsockopt(zmq.LINGER, 0)
+        for addr in bind_addrs:
+            self._router.bind(addr)
+        self._wake_addr = f"{_WAKE}-{id(self)}"
+        self._inbox = self._zmq.socket(zmq.PULL)
+        self._inbox.bind(self._wake_addr)
+        self._outbox = self._zmq.socket(zmq.PUSH)  # used by the engine core's thread only
+        self._outbox.connect(self._wake_addr)
+        self._send_lock = threading.Lock()
+        self.last_seen: dict[int, float] = {}
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rank-channel", daemon=True)
+        self._thread.start()
+
+    # --- the engine core's side -----------------------------------------------------------------
+    def send(self, ranks: list[int], kind: bytes, payload: Any) -> None:
+        data = serialization.encode(payload)
+        with self._send_lock:
+            self._outbox.send_multipart([b",".join(str(r).encode() for r in ranks), kind, data])
+
+    def broadcast(self, kind: bytes, payload: Any) -> None:
+        self.send(list(range(self.world_size)), kind, payload)
+
+    def close(self) -> None:
+        if not self._closed.is_set():
+            self._closed.set()
+            self._thread.join(timeout=2)
+            self._zmq.destroy(linger=0)
+
+    # --- the I/O thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._inbox, zmq.POLLIN)
+        next_ping = time.monotonic()
+        failed = False
+        while not self._closed.is_set():
+            events = dict(poller.poll(100))
+            if self._inbox in events:
+                ranks, kind, data = self._inbox.recv_multipart()
+                self._forward([int(r) for r in ranks.split(b",")], kind, data)
+            if self._router in events:
+                self._receive()
+            now = time.monotonic()
+            if now >= next_ping:
+                next_ping = now + HEARTBEAT_INTERVAL_S
+                self._forward(list(self.last_seen), PING, serialization.encode(None))
+            if not failed:
+                silent = [r for r, seen in self.last_seen.items() if now - seen > HEARTBEAT_TIMEOUT_S]
+                if silent:
+                    failed = True
+                    self._on_failure(
+                        f"rank {silent[0]} stopped answering (no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s)"
+                    )
+
+    def _forward(self, ranks: list[int], kind: bytes, data: bytes) -> None:
+        for rank in ranks:
+            try:
+                self._router.send_multipart([_identity(rank), kind, data], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # not connected (yet, or any more): heartbeats judge that
+                logger.debug("cannot send %s to rank %d: %s", kind.decode(), rank, exc)
+
+    def _receive(self) -> None:
+        frames = self._router.recv_multipart()
+        if len(frames) != 3:
+            logger.warning("rank channel: dropped a message of %d frames", len(frames))
+            return
+        identity, kind, data = frames
+        try:
+            rank = int(identity.decode().removeprefix("rank-"))
+            payload = serialization.decode(data)
+        except Exception as exc:  # a malformed message is the sender's fault, never ours to die of
+            logger.warning("rank channel: undecodable %r message: %s", kind[:16], exc)
+            return
+        if not 0 <= rank < self.world_size:
+            logger.warning("rank channel: message from rank %d outside a world of %d", rank, self.world_size)
+            return
+        self.last_seen[rank] = time.monotonic()
+        if kind != PONG:
+            self._on_message(rank, kind, payload)
+
+
+class WorkerLink:
+    """A rank's end: messages from the leader arrive in ``inbox``; ``send`` replies.
+
+    When the leader falls silent for longer than the heartbeat timeout the process exits with
+    status 1 from the I/O thread, whatever the main thread is doing: no rank outlives its leader.
+    """
+
+    def __init__(self, addr: str, rank: int) -> None:
+        self.rank = rank
+        self.inbox: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self._zmq = zmq.Context()
+        self._dealer = self._zmq.socket(zmq.DEALER)
+        self._dealer.setsockopt(zmq.IDENTITY, _identity(rank))
+        self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._dealer.setsockopt(zmq.LINGER, 2000)
+        self._dealer.connect(addr)
+        self._wake_addr = f"{_WAKE}-{id(self)}"
+        self._inbox_sock = self._zmq.socket(zmq.PULL)
+        self._inbox_sock.bind(self._wake_addr)
+        self._outbox = self._zmq.socket(zmq.PUSH)
+        self._outbox.connect(self._wake_addr)
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._leader_seen: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="leader-link", daemon=True)
+        self._thread.start()
+
+    def send(self, kind: bytes, payload: Any) -> None:
+        data = serialization.encode(payload)
+        with self._send_lock:
+            self._outbox.send_multipart([kind, data])
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=3)
+        self._zmq.destroy(linger=1000)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._inbox_sock, zmq.POLLIN)
+        next_beat = 0.0
+        while not self._closed.is_set():
+            events = dict(poller.poll(100))
+            if self._inbox_sock in events:
+                self._dealer.send_multipart(self._inbox_sock.recv_multipart())
+            if self._dealer in events:
+                self._receive()
+            now = time.monotonic()
+            if now >= next_beat:  # HELLO until the leader answers, then heartbeats
+                next_beat = now + HEARTBEAT_INTERVAL_S
+                beat = HELLO if self._leader_seen is None else PONG
+                self._dealer.send_multipart(
+                    [beat, serialization.encode({"rank": self.rank, "pid": os.getpid()})]
+                )
+            if self._leader_seen is not None and now - self._leader_seen > HEARTBEAT_TIMEOUT_S:
+                logger.error(
+                    "rank %d: the leader is gone (silent for %.0f s); exiting", self.rank, HEARTBEAT_TIMEOUT_S
+                )
+                os._exit(1)
+
+    def _receive(self) -> None:
+        frames = self._dealer.recv_multipart()
+        self._leader_seen = time.monotonic()
+        if len(frames) != 2:
+            logger.warning("rank %d: dropped a message of %d frames from the leader", self.rank, len(frames))
+            return
+        kind, data = frames
+        if kind == PING:
+            return
+        if kind == ABORT:  # handled here: the main thread may be stuck in a collective
+            logger.error("rank %d: the engine failed; exiting", self.rank)
+            os._exit(1)
+        try:
+            payload = serialization.decode(data)
+        except Exception as exc:
+            logger.error("rank %d: undecodable %r message from the leader: %s", self.rank, kind[:16], exc)
+            self.inbox.put((FATAL, f"undecodable {kind[:16]!r} message: {exc}"))
+            return
+        self.inbox.put((kind, payload))

@@ -1,0 +1,304 @@
+"""Executors whose ranks are other processes: local ones it starts, or pods that join over TCP.
+
+Both speak to their ranks through one ``LeaderChannel``: a step's SchedulerOutput is broadcast
+to every rank, and only the last stage's TP rank 0 answers with sampled tokens, so up to
+``pp_size`` steps can be in flight (each a future resolved by the output rank's reply).
+Startup: every rank says HELLO, gets the engine configuration, loads its shards and says READY;
+then the KV cache is sized to the smallest rank's capacity and initialised on all of them.
+
+Faults: local ranks are watched by their process, every rank by heartbeats. A rank that dies,
+stops (SIGSTOP) or reports a failure fails every pending step at once with ExecutorFailedError;
+the remaining ranks are told to exit (and local ones are killed), so nothing outlives the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from tessera.config import EngineConfig
+from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tessera.distributed import rpc
+from tessera.executor.base import Executor, ExecutorFailedError
+from tessera.topology import Topology
+from tessera.worker.worker_proc import LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, RPC_ADDR_ENV
+
+logger = logging.getLogger(__name__)
+
+LOCAL_STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_LOCAL_STARTUP_TIMEOUT", "600"))
+# Pods may still be scheduled, pulling images or converting the model.
+REMOTE_STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_RANK_STARTUP_TIMEOUT", "900"))
+RPC_TIMEOUT_S = 600.0
+
+
+class _Call:
+    def __init__(self, world_size: int) -> None:
+        self.future: Future[list[Any]] = Future()
+        self.results: dict[int, Any] = {}
+        self.world_size = world_size
+
+
+class DistributedExecutor(Executor):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        topology: Topology,
+        local_ranks: list[int],
+        bind_addrs: list[str],
+        local_rpc_addr: str,
+        startup_timeout_s: float,
+    ) -> None:
+        self.config = config
+        self.topology = topology
+        self.world_size = topology.world_size
+        self.max_concurrent_batches = topology.pp_size
+        self.output_rank = topology.world_size - topology.tp_size  # last stage, TP rank 0
+        self._lock = threading.Condition()
+        self.failure: str | None = None
+        self._shutting_down = False
+        self._steps = itertools.count()
+        self._call_ids = itertools.count()
+        self._step_futures: dict[int, Future[ModelRunnerOutput]] = {}
+        self._calls: dict[int, _Call] = {}
+        self._pids: dict[int, int] = {}
+        self._ready: dict[int, dict[str, Any]] = {}
+        self._welcome = {"config": config.model_dump_json(), "model_dir": str(model_dir)}
+        self.channel = rpc.LeaderChannel(bind_addrs, self.world_size, self._on_message, self._fail)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        try:
+            for index, rank in enumerate(local_ranks):
+                self.procs[rank] = self._spawn(rank, index, len(local_ranks), local_rpc_addr)
+            self._wait_ready(startup_timeout_s)
+            self.max_model_len = min(int(info["max_model_len"]) for info in self._ready.values())
+            self.num_kv_blocks = min(self.collective_rpc("determine_num_blocks"))
+            self.collective_rpc("init_kv_cache", (self.num_kv_blocks,))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "%d ranks ready (tp %d x pp %d%s), %d KV blocks each",
+            self.world_size, topology.tp_size, topology.pp_size,
+            ", sequence parallel" if topology.sequence_parallel else "", self.num_kv_blocks,
+        )  # fmt: skip
+
+    # --- ranks -----------------------------------------------------------------------------------
+    def _spawn(self, rank: int, local_index: int, local_world: int, rpc_addr: str) -> subprocess.Popen[bytes]:
+        """Start one rank as `tessera worker`, with exactly the environment a pod would get."""
+        env = dict(os.environ)
+        env.update(self.topology.for_rank(rank).to_env())
+        env[RPC_ADDR_ENV] = rpc_addr
+        env[LOCAL_RANK_ENV] = str(local_index)
+        env[LOCAL_WORLD_SIZE_ENV] = str(local_world)
+        if self.topology.leader_addr in ("127.0.0.1", "localhost"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tessera.cli", "worker"], env=env, preexec_fn=_die_with_parent
+        )
+        threading.Thread(
+            target=self._watch, args=(rank, proc), name=f"watch-rank-{rank}", daemon=True
+        ).start()
+        return proc
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        if not self._shutting_down:
+            self._fail(f"rank {rank} exited with status {code}")
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while len(self._ready) < self.world_size and self.failure is None:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(self._ready))
+                    raise ExecutorFailedError(f"ranks {missing} not ready after {timeout_s:.0f} s")
+                self._lock.wait(0.5)
+            self._raise_if_failed()
+
+    # --- messages from ranks (the channel's I/O thread) ---------------------------------------------
+    def _on_message(self, rank: int, kind: bytes, payload: Any) -> None:
+        if kind == rpc.HELLO:
+            self._on_hello(rank, int(payload.get("pid", 0)))
+        elif kind == rpc.READY:
+            with self._lock:
+                self._ready[rank] = payload
+                self._lock.notify_all()
+        elif kind == rpc.OUTPUT:
+            with self._lock:
+                future = self._step_futures.pop(int(payload["step"]), None)
+            if future is not None:
+                future.set_result(payload["output"])
+        elif kind == rpc.RESULT:
+            self._on_result(rank, payload)
+        elif kind == rpc.FATAL:
+            self._fail(f"rank {rank} failed:\n{payload.get('error', '')}")
+
+    def _on_hello(self, rank: int, pid: int) -> None:
+        known = self._pids.get(rank)
+        if known is None:
+            self._pids[rank] = pid
+            self.channel.send([rank], rpc.WELCOME, self._welcome)
+        elif known != pid:
+            self._fail(f"rank {rank} restarted (pid {known} -> {pid}): its group must restart as a whole")
+
+    def _on_result(self, rank: int, payload: dict[str, Any]) -> None:
+        with self._lock:
+            call = self._calls.get(int(payload["id"]))
+            if call is None:
+                return
+            call.results[rank] = payload.get("value")
+            if len(call.results) < call.world_size:
+                return
+            del self._calls[int(payload["id"])]
+        call.future.set_result([call.results[r] for r in range(call.world_size)])
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self.failure is not None or self._shutting_down:
+                return
+            self.failure = reason
+            futures: list[Future[Any]] = [
+                *self._step_futures.values(),
+                *(c.future for c in self._calls.values()),
+            ]
+            self._step_futures.clear()
+            self._calls.clear()
+            self._lock.notify_all()
+        logger.error("engine failed: %s", reason)
+        error = ExecutorFailedError(reason)
+        for future in futures:
+            with contextlib.suppress(Exception):
+                future.set_exception(error)
+        # No rank outlives a failed engine: remote ranks exit on ABORT, local ones are killed.
+        with contextlib.suppress(Exception):
+            self.channel.broadcast(rpc.ABORT, reason[:1000])
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise ExecutorFailedError(self.failure)
+
+    # --- the Executor interface --------------------------------------------------------------------
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        call = _Call(self.world_size)
+        with self._lock:
+            self._raise_if_failed()
+            call_id = next(self._call_ids)
+            self._calls[call_id] = call
+        self.channel.broadcast(rpc.CALL, {"id": call_id, "method": method, "args": list(args)})
+        return self._result(call.future, RPC_TIMEOUT_S, f"collective_rpc({method})")
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        future: Future[ModelRunnerOutput] = Future()
+        with self._lock:
+            self._raise_if_failed()
+            step = next(self._steps)
+            self._step_futures[step] = future
+        self.channel.broadcast(rpc.EXECUTE, {"step": step, "output": scheduler_output})
+        return future if non_block else self._result(future, STEP_TIMEOUT_S, f"step {step}")
+
+    def _result(self, future: Future[Any], timeout_s: float, what: str) -> Any:
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            self._fail(f"{what} got no answer in {timeout_s:.0f} s")
+            raise ExecutorFailedError(self.failure or what) from None
+
+    def check_health(self) -> None:
+        self._raise_if_failed()
+
+    def shutdown(self) -> None:
+        if self._shutting_down:
+            return
+        with contextlib.suppress(Exception):
+            self.channel.broadcast(rpc.SHUTDOWN, None)
+        self._shutting_down = True
+        deadline = time.monotonic() + 5
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.channel.close()
+
+
+# A step of the largest batches takes seconds; minutes without an answer means a hung rank.
+STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
+
+
+class MultiprocExecutor(DistributedExecutor):
+    """Every rank a local process: `tessera serve MODEL --tp T --pp P` on one machine (IPC)."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
+        addr = f"ipc://{self._ipc_dir}/rpc"
+        topology = Topology(layout=config.parallel, leader_addr="127.0.0.1", dist_port=_free_port())
+        super().__init__(
+            config,
+            model_dir,
+            topology,
+            list(range(topology.world_size)),
+            [addr],
+            addr,
+            LOCAL_STARTUP_TIMEOUT_S,
+        )
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        with contextlib.suppress(OSError):
+            for item in Path(self._ipc_dir).iterdir():
+                item.unlink()
+            os.rmdir(self._ipc_dir)
+
+
+class RemoteRanksExecutor(DistributedExecutor):
+    """The leader pod: rank 0 runs here, every other rank is a pod that joins over TCP."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path, topology: Topology) -> None:
+        if not topology.is_leader:
+            raise ValueError(
+                f"`tessera serve` runs on rank 0 only; this is rank {topology.rank} (use `tessera worker`)"
+            )
+        if topology.layout != config.parallel:
+            raise ValueError(f"engine layout {config.parallel} differs from the topology's {topology.layout}")
+        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
+        local = f"ipc://{self._ipc_dir}/rpc"
+        super().__init__(
+            config,
+            model_dir,
+            topology,
+            [0],
+            [local, f"tcp://*:{topology.rpc_port}"],
+            local,
+            REMOTE_STARTUP_TIMEOUT_S,
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG: a rank never outlives the engine core that started it, even on SIGKILL.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)

@@ -1,0 +1,114 @@
+"""One rank's process, the same for local ranks and for pods: `tessera worker`.
+
+topology (from the environment) -> connect to the leader -> receive the engine configuration
+-> device and threads -> process groups -> load this rank's shards -> READY -> serve calls and
+steps until SHUTDOWN. Any failure is reported to the leader (FATAL) and exits non-zero; a
+leader that goes silent makes the process exit non-zero too (see ``rpc.WorkerLink``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tessera.topology import Topology, TopologyError
+
+logger = logging.getLogger("tessera.worker")
+
+# Set by the local executor for the ranks it starts; pods use the topology's TCP address.
+RPC_ADDR_ENV = "TESSERA_RPC_ADDR"
+LOCAL_RANK_ENV = "LOCAL_RANK"
+LOCAL_WORLD_SIZE_ENV = "TESSERA_LOCAL_WORLD_SIZE"
+# The only worker methods the leader may call (the RPC port is reachable from the network).
+CALLABLE = frozenset({"determine_num_blocks", "init_kv_cache", "comm_stats", "reset_comm_stats"})
+
+
+def leader_rpc_addr(topology: Topology, environ: dict[str, str] | os._Environ[str]) -> str:
+    return environ.get(RPC_ADDR_ENV) or f"tcp://{topology.leader_addr}:{topology.rpc_port}"
+
+
+def run_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """The rank process's life; returns its exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank] %(message)s")
+    try:
+        topology = Topology.from_env(environ)
+    except TopologyError as exc:
+        logger.error("invalid topology environment: %s", exc)
+        return 2
+    from tessera.distributed import rpc
+
+    link = rpc.WorkerLink(leader_rpc_addr(topology, environ), topology.rank)
+    logger.info(
+        "rank %d of %d: joining %s", topology.rank, topology.world_size, leader_rpc_addr(topology, environ)
+    )
+    try:
+        _serve(link, topology, environ)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        error = traceback.format_exc()
+        logger.error("rank %d failed:\n%s", topology.rank, error)
+        link.send(rpc.FATAL, {"rank": topology.rank, "error": error[-4000:]})
+        link.close()
+        return 1
+    link.close()
+    return 0
+
+
+def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[str]) -> None:
+    from tessera.config import EngineConfig
+    from tessera.distributed import rpc
+    from tessera.worker.worker import Worker
+
+    kind, welcome = link.inbox.get()  # the WorkerLink exits the process if the leader never answers
+    if kind != rpc.WELCOME:
+        raise RuntimeError(f"expected WELCOME from the leader, got {kind!r}")
+    config = EngineConfig.model_validate_json(welcome["config"])
+    if config.parallel != topology.layout:
+        raise TopologyError(
+            f"the leader runs layout {config.parallel}, this rank's environment says {topology.layout}"
+        )
+    worker = Worker(
+        config,
+        Path(welcome["model_dir"]),
+        topology,
+        local_rank=int(environ.get(LOCAL_RANK_ENV, topology.tp_rank)),
+        local_world_size=int(environ.get(LOCAL_WORLD_SIZE_ENV, "1")),
+    )
+    link.send(rpc.READY, {"rank": topology.rank, "max_model_len": worker.max_model_len})
+    while True:
+        kind, payload = link.inbox.get()
+        if kind == rpc.EXECUTE:
+            output = worker.execute_model(payload["output"], payload["step"])
+            if output is not None:
+                link.send(rpc.OUTPUT, {"step": payload["step"], "output": output})
+        elif kind == rpc.CALL:
+            method = payload["method"]
+            if method not in CALLABLE:
+                raise RuntimeError(f"the leader called {method!r}, which is not a worker method")
+            value = getattr(worker, method)(*payload["args"])
+            link.send(rpc.RESULT, {"id": payload["id"], "rank": topology.rank, "value": value})
+        elif kind == rpc.SHUTDOWN:
+            worker.shutdown()
+            return
+        elif kind == rpc.FATAL:
+            raise RuntimeError(payload)
+
+
+def main() -> None:
+    sys.exit(run_worker())
+
+
+def register_cli(subparsers: Any) -> None:
+    """`tessera worker`: a headless rank; everything it needs comes from the environment and its leader."""
+    worker = subparsers.add_parser(
+        "worker",
+        help="run one rank of a multi-rank engine (started by `tessera serve` or as a pod)",
+        description="Reads its place from the TESSERA_* environment (see tessera.topology), joins its "
+        "leader, and takes the engine configuration from it. Exits non-zero when the leader goes away.",
+    )
+    worker.set_defaults(handler=lambda args: run_worker())
