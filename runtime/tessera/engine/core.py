@@ -66,10 +66,9 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
-        if self._submit() and len(self.batch_queue) < self.max_concurrent_batches:
-            # Room for another batch in flight: fill the pipeline before waiting on it.
-            return EngineCoreOutputs(timestamp=time.time())
-        if self.batch_queue:
+        submitted = self._submit()
+        # Room for another batch in flight: fill the pipeline before waiting on the oldest.
+        if self.batch_queue and not (submitted and len(self.batch_queue) < self.max_concurrent_batches):
             scheduler_output, future = self.batch_queue.popleft()
             outputs = self.scheduler.update_from_output(scheduler_output, self._result(future))
         return EngineCoreOutputs(
