@@ -213,7 +213,10 @@ class RestartPolicySpec(Wire):
         default=300, ge=0, le=MAX_DELAY_SECONDS, description="Upper bound of the delay."
     )
     reset_after_seconds: float = Field(
-        default=600, ge=0, le=MAX_DELAY_SECONDS, description="A group Ready this long starts its backoff from the base again."
+        default=600,
+        ge=0,
+        le=MAX_DELAY_SECONDS,
+        description="A group Ready this long starts its backoff from the base again.",
     )
 
 

@@ -30,7 +30,7 @@ POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement
 # Where the runtime writes (emptyDirs; the root filesystem is read-only). The user's env or
 # volumeMounts may point any of them elsewhere, e.g. TESSERA_CACHE at a persistent volume.
 WRITABLE_ENV = {"TESSERA_CACHE": naming.CACHE_DIR, "TMPDIR": naming.TMP_DIR, "HOME": naming.TMP_DIR}
-WRITABLE_VOLUMES = (
+WRITABLE_VOLUMES: tuple[tuple[str, str, dict[str, str]], ...] = (
     # NCCL and gloo need more shared memory than the container runtime's 64 MiB default.
     (naming.SHM_VOLUME, naming.SHM_DIR, {"medium": "Memory"}),
     (naming.CACHE_VOLUME, naming.CACHE_DIR, {}),

@@ -26,7 +26,9 @@ def qualified_name_problem(key: str) -> str | None:
     if slash and (not prefix or len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
         return f"{key!r}: the prefix must be a DNS subdomain of at most 253 characters"
     if len(name) > 63 or not _NAME.match(name):
-        return f"{key!r}: the name must be 1-63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
+        return (
+            f"{key!r}: the name must be 1-63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
+        )
     return None
 
 
@@ -63,7 +65,9 @@ def check_resources(field: str, resources: Mapping[str, Any] | None) -> list[Fie
     parsed: dict[str, dict[str, Decimal]] = {}
     for kind, amounts in (resources or {}).items():
         if kind not in RESOURCE_KINDS:
-            errors.append(FieldError(f"{field}.{kind}", f"unknown key (expected one of {', '.join(RESOURCE_KINDS)})"))
+            errors.append(
+                FieldError(f"{field}.{kind}", f"unknown key (expected one of {', '.join(RESOURCE_KINDS)})")
+            )
             continue
         if not isinstance(amounts, Mapping):
             errors.append(FieldError(f"{field}.{kind}", "must map resource names to quantities"))

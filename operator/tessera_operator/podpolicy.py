@@ -73,7 +73,9 @@ def _volume_errors(
     for j, source in enumerate(sources if isinstance(sources, list) else []):
         where = f"{field}.projected.sources[{j}]"
         if "secret" in source and not policy.allow_secrets:
-            errors.append(FieldError(f"{where}.secret", _not_allowed("a projected Secret", "--allow-secrets")))
+            errors.append(
+                FieldError(f"{where}.secret", _not_allowed("a projected Secret", "--allow-secrets"))
+            )
         if "serviceAccountToken" in source and not token_allowed:
             errors.append(
                 FieldError(

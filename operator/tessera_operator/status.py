@@ -128,7 +128,9 @@ def degraded_status(
     )
 
 
-def keep_degraded(status: InferenceClusterStatus, previous: InferenceClusterStatus, reasons: frozenset[str]) -> InferenceClusterStatus:
+def keep_degraded(
+    status: InferenceClusterStatus, previous: InferenceClusterStatus, reasons: frozenset[str]
+) -> InferenceClusterStatus:
     """`status` with the previous Degraded condition when it had one of `reasons`.
 
     An intent write made before a pass's writes must not clear a failure those writes may
@@ -137,4 +139,6 @@ def keep_degraded(status: InferenceClusterStatus, previous: InferenceClusterStat
     old = next((c for c in previous.conditions if c.type == "Degraded" and c.reason in reasons), None)
     if old is None or old.status != "True":
         return status
-    return status.model_copy(update={"conditions": [c for c in status.conditions if c.type != "Degraded"] + [old]})
+    return status.model_copy(
+        update={"conditions": [c for c in status.conditions if c.type != "Degraded"] + [old]}
+    )

@@ -18,7 +18,12 @@ from tessera.topology import Topology
 from tessera_operator import naming
 from tessera_operator.api import InferenceClusterSpec, TemplateSpec
 from tessera_operator.fielderror import FieldError
-from tessera_operator.k8sformat import check_annotations, check_labels, check_resources, qualified_name_problem
+from tessera_operator.k8sformat import (
+    check_annotations,
+    check_labels,
+    check_resources,
+    qualified_name_problem,
+)
 from tessera_operator.known_models import known_num_layers
 from tessera_operator.naming import CLUSTER_NAME_RE, MAX_CLUSTER_NAME
 from tessera_operator.podpolicy import PodPolicy, check_pod_policy
@@ -136,7 +141,9 @@ def validate_volumes(template: TemplateSpec) -> list[FieldError]:
     for i, volume in enumerate(template.volumes):
         name = volume.get("name")
         if name in naming.OPERATOR_VOLUMES:
-            errors.append(FieldError(f"spec.template.volumes[{i}].name", f"{name!r} is a volume of the operator"))
+            errors.append(
+                FieldError(f"spec.template.volumes[{i}].name", f"{name!r} is a volume of the operator")
+            )
         elif name in names:
             errors.append(FieldError(f"spec.template.volumes[{i}].name", f"duplicate volume {name!r}"))
         names.add(str(name))

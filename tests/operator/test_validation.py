@@ -90,7 +90,10 @@ TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path
         ),
         ({"engine": {"kvCacheMemory": "1e400"}}, "spec.engine.kvCacheMemory"),
         ({"engine": {"kvCacheMemory": "1e999999999999999"}}, "spec.engine.kvCacheMemory"),
-        ({"template": {"resources": {"limits": {"memory": "1e400"}}}}, "spec.template.resources.limits[memory]"),
+        (
+            {"template": {"resources": {"limits": {"memory": "1e400"}}}},
+            "spec.template.resources.limits[memory]",
+        ),
         ({"template": {"resources": {"limits": {"cpu": "lots"}}}}, "spec.template.resources.limits[cpu]"),
         ({"template": {"resources": {"request": {"cpu": "1"}}}}, "spec.template.resources.request"),
         (
@@ -101,15 +104,28 @@ TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path
         ({"template": {"priorityClassName": "system-node-critical"}}, "spec.template.priorityClassName"),
         ({"template": {"volumes": [HOST_PATH]}}, "spec.template.volumes[0].hostPath"),
         ({"template": {"env": [SECRET_ENV]}}, "spec.template.env[0].valueFrom.secretKeyRef"),
-        ({"template": {"volumes": [{"name": "s", "secret": {"secretName": "s"}}]}}, "spec.template.volumes[0].secret"),
-        ({"template": {"volumes": [TOKEN]}}, "spec.template.volumes[0].projected.sources[0].serviceAccountToken"),
         (
-            {"template": {"annotations": {"container.apparmor.security.beta.kubernetes.io/rank": "unconfined"}}},
+            {"template": {"volumes": [{"name": "s", "secret": {"secretName": "s"}}]}},
+            "spec.template.volumes[0].secret",
+        ),
+        (
+            {"template": {"volumes": [TOKEN]}},
+            "spec.template.volumes[0].projected.sources[0].serviceAccountToken",
+        ),
+        (
+            {
+                "template": {
+                    "annotations": {"container.apparmor.security.beta.kubernetes.io/rank": "unconfined"}
+                }
+            },
             "spec.template.annotations[container.apparmor.security.beta.kubernetes.io/rank]",
         ),
         ({"template": {"labels": {"team": "a b"}}}, "spec.template.labels[team]"),
         ({"template": {"labels": {"tessera.dev/group": "7"}}}, "spec.template.labels[tessera.dev/group]"),
-        ({"template": {"annotations": {"tessera.dev/group-size": "1"}}}, "spec.template.annotations[tessera.dev/group-size]"),
+        (
+            {"template": {"annotations": {"tessera.dev/group-size": "1"}}},
+            "spec.template.annotations[tessera.dev/group-size]",
+        ),
         ({"template": {"nodeSelector": {"bad key": "x"}}}, "spec.template.nodeSelector[bad key]"),
         ({"template": {"image": "registry/runtime cpu:1"}}, "spec.template.image"),
         ({"template": {"env": [{"name": "A B", "value": "1"}]}}, "spec.template.env.0.name"),
@@ -118,7 +134,10 @@ TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path
         ({"placement": {"topologyKey": "-zone"}}, "spec.placement.topologyKey"),
         ({"model": {"source": "--api-key=stolen"}}, "spec.model.source"),
         ({"template": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "spec.template.volumes[0].name"),
-        ({"template": {"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}}, "spec.template.volumeMounts[0].name"),
+        (
+            {"template": {"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}},
+            "spec.template.volumeMounts[0].name",
+        ),
         ({"restartPolicy": {"backoffMaxSeconds": 1e308}}, "spec.restartPolicy.backoffMaxSeconds"),
     ],
 )
