@@ -8,7 +8,9 @@ ENV PYTHONUNBUFFERED=1 \
     HOME=/home/tessera \
     PATH=/opt/venv/bin:$PATH
 # g++ builds Tessera's CPU kernels for the node's own instruction set on first start
-# (about a minute; cached under $HOME/.cache/tessera/kernels, keyed on the CPU's flags).
+# (about a minute; cached under $TESSERA_CACHE/kernels, keyed on the CPU's flags). The operator
+# runs this image with a read-only root filesystem and sets TESSERA_CACHE=/cache, TMPDIR=/tmp
+# and HOME=/tmp, all emptyDirs.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
     && rm -rf /var/lib/apt/lists/*
