@@ -85,3 +85,17 @@ def test_one_pass_without_a_webhook_reports_what_it_cannot_act_on(crds: Any, k8s
         assert not [v for v in spec["volumes"] if "secret" in v or "projected" in v], spec["volumes"]
         assert all("serviceaccount" not in m["mountPath"] for m in spec["containers"][0]["volumeMounts"])
         assert spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+    # An exhausted ResourceQuota: the API server answers 403, the object says so.
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "pods"},
+        "spec": {"hard": {"pods": "2"}},
+    }
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(quota))
+    apply(cluster, ns, "over-quota")
+    one_pass(kubeconfig, ns, "over-quota")
+    degraded = condition(ic(cluster, ns, "over-quota"), "Degraded")
+    assert degraded["reason"] == "FailedCreate" and "403" in degraded["message"], degraded
+    assert "quota" in degraded["message"], degraded
