@@ -37,7 +37,7 @@ def one_pass(kubeconfig: str, ns: str, name: str) -> float | None:
     return asyncio.run(run())
 
 
-def warnings(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
+def warning_events(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
     items = kjson(cluster, "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}")[
         "items"
     ]
@@ -61,7 +61,7 @@ def test_one_pass_without_a_webhook_reports_what_it_cannot_act_on(crds: Any, k8s
     assert one_pass(kubeconfig, ns, "overflow") is None
     degraded = condition(ic(cluster, ns, "overflow"), "Degraded")
     assert degraded["reason"] == "InvalidSpec" and "spec.engine.kvCacheMemory" in degraded["message"]
-    [event] = warnings(cluster, ns, "overflow")
+    [event] = warning_events(cluster, ns, "overflow")
     assert event["reason"] == "InvalidSpec" and "spec.engine.kvCacheMemory" in event["message"]
 
     # A toleration is passed through as is: the API server refuses every pod with a 422.
@@ -71,7 +71,7 @@ def test_one_pass_without_a_webhook_reports_what_it_cannot_act_on(crds: Any, k8s
     degraded = condition(ic(cluster, ns, "refused"), "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "FailedCreate", degraded
     assert "spec.tolerations[0].operator" in degraded["message"] and "422" in degraded["message"]
-    [event] = warnings(cluster, ns, "refused")  # one Event, not one per pass
+    [event] = warning_events(cluster, ns, "refused")  # one Event, not one per pass
     assert event["reason"] == "FailedCreate" and "spec.tolerations[0].operator" in event["message"]
     assert not [p for p in pods(cluster, ns) if p["metadata"]["name"].startswith("refused-")]
 
