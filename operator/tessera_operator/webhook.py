@@ -114,6 +114,8 @@ class ManagedWebhookServer:
             except ApiError as exc:
                 if exc.status != 404:
                     raise
+                if not hooks:
+                    return False  # nothing to remove (e.g. `helm uninstall` deleted it first)
                 body = {"metadata": {"name": self.configuration}, "webhooks": hooks}
                 await self.client.create(CONFIGURATIONS, body)
         except ApiError as exc:
