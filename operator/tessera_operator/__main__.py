@@ -9,7 +9,8 @@ import os
 import kopf
 
 from tessera_operator import handlers, webhook  # noqa: F401  (importing registers the kopf handlers)
-from tessera_operator.config import CONFIG
+from tessera_operator.config import CONFIG, names
+from tessera_operator.podpolicy import PodPolicy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +40,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--webhook-managed",
         default=CONFIG.webhook_managed,
-        help="name of a ValidatingWebhookConfiguration the operator creates and keeps current",
+        help="name of the ValidatingWebhookConfiguration the operator keeps current (the chart creates it)",
+    )
+    policy = CONFIG.pod_policy
+    pods = parser.add_argument_group("what an InferenceCluster may put into its pods (default: nothing)")
+    pods.add_argument(
+        "--allow-host-path", action="store_true", default=policy.allow_host_path, help="hostPath volumes"
+    )
+    pods.add_argument(
+        "--allow-secrets",
+        "--allow-secret-env",
+        action="store_true",
+        default=policy.allow_secrets,
+        help="env valueFrom.secretKeyRef, secret and projected-secret volumes",
+    )
+    pods.add_argument(
+        "--allowed-service-accounts",
+        type=names,
+        default=policy.allowed_service_accounts,
+        metavar="A,B",
+        help="ServiceAccounts a spec may name (rank pods still mount no token unless it projects one)",
+    )
+    pods.add_argument(
+        "--allowed-priority-classes", type=names, default=policy.allowed_priority_classes, metavar="A,B"
+    )
+    pods.add_argument(
+        "--max-pods-per-cluster",
+        type=int,
+        default=policy.max_pods_per_cluster,
+        help="cap on (replicas + maxSurge) x tensor x pipeline of one InferenceCluster",
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
@@ -65,6 +94,13 @@ def main(argv: list[str] | None = None) -> None:
     CONFIG.webhook_host = args.webhook_host
     CONFIG.webhook_cert_dir = args.webhook_cert_dir
     CONFIG.webhook_managed = args.webhook_managed
+    CONFIG.pod_policy = PodPolicy(
+        allow_host_path=args.allow_host_path,
+        allow_secrets=args.allow_secrets,
+        allowed_service_accounts=frozenset(args.allowed_service_accounts),
+        allowed_priority_classes=frozenset(args.allowed_priority_classes),
+        max_pods_per_cluster=args.max_pods_per_cluster,
+    )
     if CONFIG.webhook_port is not None:
         webhook.register()
     if args.kubeconfig:

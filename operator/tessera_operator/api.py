@@ -23,6 +23,18 @@ API_VERSION = f"{GROUP}/{VERSION}"
 QUEUE_DEPTH_METRIC = "tessera:num_requests_waiting"
 # A Kubernetes resource quantity (e.g. 2Gi, 512Mi, 1e9, 1500000000).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][0-9]+|[KMGTPE]i?|k|m)?$"
+# Caps that keep one object from asking for unbounded work; the operator's own cap on pods
+# per cluster (replicas x tensor x pipeline, see podpolicy.py) is checked by the webhook and
+# the reconciler, which can multiply.
+MAX_REPLICAS = 256
+MAX_LIST_ITEMS = 64  # volumes, mounts, tolerations, labels, ...: copied into every pod
+MAX_ENV = 256
+MAX_ENV_VALUE = 32 * 1024
+MAX_TOKENS = 2**24  # context lengths and token budgets
+MAX_DELAY_SECONDS = 7 * 24 * 3600  # restart delays: beyond this a timestamp is meaningless
+# Leading '-' would turn a model name into a command-line flag of `tessera serve`.
+NOT_A_FLAG = r"^[^-]"
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"  # Kubernetes' rule for environment variable names
 
 
 # Kubernetes objects the operator passes through unchanged into the pod: the API server
@@ -38,6 +50,7 @@ def free_form(description: str) -> Any:
 def free_form_list(description: str) -> Any:
     return Field(
         default_factory=list,
+        max_length=MAX_LIST_ITEMS,
         description=description,
         json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
     )
@@ -57,16 +70,22 @@ class ModelSpec(Wire):
 
     source: str = Field(
         min_length=1,
+        max_length=1024,
+        pattern=NOT_A_FLAG,
         description="Model alias (e.g. smollm2-135m-instruct), local Hugging Face folder, or .gguf file.",
     )
     served_name: str | None = Field(
-        default=None, description="Name clients use in the OpenAI API (default: the source)."
+        default=None,
+        min_length=1,
+        max_length=256,
+        pattern=NOT_A_FLAG,
+        description="Name clients use in the OpenAI API (default: the source).",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto", description="Weight and activation dtype."
     )
     max_model_len: int | None = Field(
-        default=None, ge=1, description="Maximum context length (default: the model's)."
+        default=None, ge=1, le=MAX_TOKENS, description="Maximum context length (default: the model's)."
     )
 
 
@@ -81,18 +100,24 @@ class ParallelismSpec(Wire):
     layer_partition: list[int] | None = Field(
         default=None,
         description="Layers per pipeline stage, e.g. [16, 14]; length must equal pipeline (default: even split).",
-        json_schema_extra={"items": {"type": "integer", "minimum": 1}},
+        max_length=64,
+        json_schema_extra={"items": {"type": "integer", "minimum": 1, "maximum": 1_000_000}},
     )
 
 
 class EngineSpec(Wire):
     """Engine settings passed to every rank's `tessera` command."""
 
-    max_num_seqs: int = Field(default=128, ge=1, description="Maximum sequences per scheduler step.")
-    max_num_batched_tokens: int = Field(default=2048, ge=1, description="Token budget per scheduler step.")
+    max_num_seqs: int = Field(
+        default=128, ge=1, le=65536, description="Maximum sequences per scheduler step."
+    )
+    max_num_batched_tokens: int = Field(
+        default=2048, ge=1, le=MAX_TOKENS, description="Token budget per scheduler step."
+    )
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV cache block.")
     kv_cache_memory: str | None = Field(
         default=None,
+        max_length=64,
         pattern=QUANTITY_PATTERN,
         description="KV cache size per rank as a resource quantity (e.g. 2Gi); default: the engine's.",
     )
@@ -101,15 +126,21 @@ class EngineSpec(Wire):
 
 
 class EnvVar(Wire):
-    name: str = Field(min_length=1, description="Variable name.")
-    value: str | None = Field(default=None, description="Literal value.")
+    name: str = Field(min_length=1, max_length=256, pattern=ENV_NAME_PATTERN, description="Variable name.")
+    value: str | None = Field(default=None, max_length=MAX_ENV_VALUE, description="Literal value.")
     value_from: dict[str, Any] | None = free_form("A Kubernetes EnvVarSource.")
 
 
 class TemplateSpec(Wire):
     """What every rank pod looks like; the user's fields are merged into the operator's pod."""
 
-    image: str = Field(default="tessera/runtime-cpu:0.1.0", min_length=1, description="Runtime image.")
+    image: str = Field(
+        default="tessera/runtime-cpu:0.1.0",
+        min_length=1,
+        max_length=512,
+        pattern=r"^\S+$",  # whitespace passes the API server and fails every pull on the node
+        description="Runtime image.",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
     )
@@ -120,20 +151,34 @@ class TemplateSpec(Wire):
     gpu_resource_name: str = Field(
         default="nvidia.com/gpu", min_length=1, description="Extended resource name of the accelerator."
     )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of every rank.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_LIST_ITEMS, description="Node selector of every rank."
+    )
     tolerations: list[dict[str, Any]] = free_form_list("Pod tolerations.")
     affinity: dict[str, Any] | None = free_form(
         "Pod affinity; the operator adds its TP co-location term to it."
     )
     env: list[EnvVar] = Field(
-        default_factory=list, description="Extra environment (the topology variables cannot be overridden)."
+        default_factory=list,
+        max_length=MAX_ENV,
+        description="Extra environment (the topology variables cannot be overridden).",
     )
     volumes: list[dict[str, Any]] = free_form_list("Extra pod volumes.")
     volume_mounts: list[dict[str, Any]] = free_form_list("Extra container volume mounts.")
-    service_account_name: str | None = Field(default=None, description="ServiceAccount of the rank pods.")
-    priority_class_name: str | None = Field(default=None, description="PriorityClass of the rank pods.")
-    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels.")
-    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+    service_account_name: str | None = Field(
+        default=None,
+        description="ServiceAccount of the rank pods; only one the operator allows (--allowed-service-accounts).",
+    )
+    priority_class_name: str | None = Field(
+        default=None,
+        description="PriorityClass of the rank pods; only one the operator allows (--allowed-priority-classes).",
+    )
+    labels: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_LIST_ITEMS, description="Extra pod labels."
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_LIST_ITEMS, description="Extra pod annotations."
+    )
 
 
 class PlacementSpec(Wire):
@@ -151,20 +196,27 @@ class RolloutSpec(Wire):
     """Rolling update of replica groups; counts are whole groups, not pods."""
 
     max_unavailable: int = Field(
-        default=1, ge=0, description="Groups that may be unavailable during an update."
+        default=1, ge=0, le=MAX_REPLICAS, description="Groups that may be unavailable during an update."
     )
     max_surge: int = Field(
-        default=0, ge=0, description="Extra groups created above replicas during an update."
+        default=0, ge=0, le=MAX_REPLICAS, description="Extra groups created above replicas during an update."
     )
 
 
 class RestartPolicySpec(Wire):
     """Whole-group restart after any rank fails, with exponential backoff per group."""
 
-    backoff_base_seconds: float = Field(default=10, ge=0, description="Delay before the first restart.")
-    backoff_max_seconds: float = Field(default=300, ge=0, description="Upper bound of the delay.")
+    backoff_base_seconds: float = Field(
+        default=10, ge=0, le=MAX_DELAY_SECONDS, description="Delay before the first restart."
+    )
+    backoff_max_seconds: float = Field(
+        default=300, ge=0, le=MAX_DELAY_SECONDS, description="Upper bound of the delay."
+    )
     reset_after_seconds: float = Field(
-        default=600, ge=0, description="A group Ready this long starts its backoff from the base again."
+        default=600,
+        ge=0,
+        le=MAX_DELAY_SECONDS,
+        description="A group Ready this long starts its backoff from the base again.",
     )
 
 
@@ -172,20 +224,26 @@ class AutoscalingSpec(Wire):
     """Queue-depth autoscaling of replica groups."""
 
     enabled: bool = Field(default=False, description="Let the autoscaler change spec.replicas.")
-    min_replicas: int = Field(default=1, ge=0, description="Fewest groups.")
-    max_replicas: int = Field(default=1, ge=1, description="Most groups.")
+    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Fewest groups.")
+    max_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="Most groups.")
     metric: Literal["tessera:num_requests_waiting"] = Field(
         default="tessera:num_requests_waiting", description="Per-replica metric the autoscaler reads."
     )
     target_queue_depth: float = Field(
-        default=8, gt=0, description="Target waiting requests per replica group."
+        default=8, gt=0, le=1_000_000, description="Target waiting requests per replica group."
     )
 
 
 class InferenceClusterSpec(Wire):
     model: ModelSpec = Field(description="The model served.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel layout.")
-    replicas: int = Field(default=1, ge=0, description="Replica (data-parallel) groups.")
+    replicas: int = Field(
+        default=1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description=f"Replica (data-parallel) groups, at most {MAX_REPLICAS}; the operator also caps "
+        "pods per cluster (replicas x tensor x pipeline).",
+    )
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
     template: TemplateSpec = Field(default_factory=TemplateSpec, description="Rank pod template.")
     placement: PlacementSpec = Field(default_factory=PlacementSpec, description="Rank placement.")

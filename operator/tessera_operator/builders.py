@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ from tessera.topology import DEFAULT_API_PORT, DEFAULT_DIST_PORT, DEFAULT_RPC_PO
 from tessera_operator import naming
 from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
 from tessera_operator.observe import GROUP_SIZE_ANNOTATION
+from tessera_operator.quantity import quantity_to_bytes
 from tessera_operator.validation import RESERVED_ENV
 
 CONTAINER_NAME = "rank"
@@ -28,12 +28,15 @@ HEALTH_PATH = "/health"
 # Fields whose change alters pods (and so starts a rolling update); replicas, rollout,
 # restartPolicy and autoscaling do not.
 POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement")
-
-_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([eE][0-9]+|[KMGTPE]i?|k|m)?$")
-_SUFFIX = {
-    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-    "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "m": 10**-3,
-}  # fmt: skip
+# Where the runtime writes (emptyDirs; the root filesystem is read-only). The user's env or
+# volumeMounts may point any of them elsewhere, e.g. TESSERA_CACHE at a persistent volume.
+WRITABLE_ENV = {"TESSERA_CACHE": naming.CACHE_DIR, "TMPDIR": naming.TMP_DIR, "HOME": naming.TMP_DIR}
+WRITABLE_VOLUMES: tuple[tuple[str, str, dict[str, str]], ...] = (
+    # NCCL and gloo need more shared memory than the container runtime's 64 MiB default.
+    (naming.SHM_VOLUME, naming.SHM_DIR, {"medium": "Memory"}),
+    (naming.CACHE_VOLUME, naming.CACHE_DIR, {}),
+    (naming.TMP_VOLUME, naming.TMP_DIR, {}),
+)
 
 
 @dataclass(frozen=True)
@@ -43,18 +46,6 @@ class ClusterRef:
     name: str
     namespace: str
     uid: str
-
-
-def quantity_to_bytes(text: str) -> int:
-    match = _QUANTITY_RE.match(text.strip())
-    if not match:
-        raise ValueError(f"not a resource quantity: {text!r}")
-    number, suffix = match.groups()
-    if suffix is None:
-        return int(float(number))
-    if suffix[0] in "eE":
-        return int(float(number) * 10 ** int(suffix[1:]))
-    return int(float(number) * _SUFFIX[suffix])
 
 
 def revision_of(spec: InferenceClusterSpec) -> str:
@@ -173,9 +164,21 @@ def affinity_for(spec: InferenceClusterSpec, cluster: str, group: int, stage: in
 def env_for(topology: Topology, spec: InferenceClusterSpec) -> list[dict[str, Any]]:
     """The user's variables first, then the contract; the webhook rejects user names that clash."""
     env = [var.wire() for var in spec.template.env if var.name not in RESERVED_ENV]
+    user_names = {var["name"] for var in env}
     env += [{"name": k, "value": v} for k, v in topology.to_env().items()]
     env.append({"name": "PYTHONHASHSEED", "value": PYTHONHASHSEED})
+    env += [{"name": k, "value": v} for k, v in WRITABLE_ENV.items() if k not in user_names]
     return env
+
+
+def volumes_for(spec: InferenceClusterSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): the operator's writable emptyDirs, unless the user mounts that path, then the user's."""
+    template = spec.template
+    user_paths = {m.get("mountPath") for m in template.volume_mounts}
+    own = [(name, path, source) for name, path, source in WRITABLE_VOLUMES if path not in user_paths]
+    volumes = [{"name": name, "emptyDir": dict(source)} for name, _, source in own]
+    mounts = [{"name": name, "mountPath": path} for name, path, _ in own]
+    return volumes + copy.deepcopy(template.volumes), mounts + copy.deepcopy(template.volume_mounts)
 
 
 def pod_labels(ref: ClusterRef, group: int, stage: int, tp_rank: int, revision: str) -> dict[str, str]:
@@ -198,6 +201,7 @@ def build_pod(
     name = naming.pod_name(ref.name, group, stage, tp_rank)
     template = spec.template
     command, args = container_command(spec, leader)
+    volumes, mounts = volumes_for(spec)
     ports = [
         {"name": "dist", "containerPort": topology.dist_port, "protocol": "TCP"},
         {"name": "rpc", "containerPort": topology.rpc_port, "protocol": "TCP"},
@@ -211,8 +215,12 @@ def build_pod(
         "env": env_for(topology, spec),
         "ports": ports,
         "resources": resources_for(spec),
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *copy.deepcopy(template.volume_mounts)],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     if leader:
         ports.append({"name": "http", "containerPort": topology.api_port, "protocol": "TCP"})
@@ -229,6 +237,9 @@ def build_pod(
         "subdomain": naming.headless_service_name(ref.name),
         "restartPolicy": "Never",  # the operator restarts whole groups, never single ranks
         "enableServiceLinks": False,
+        # Ranks never call the Kubernetes API: no token in the pod (the spec cannot ask for one
+        # either: its ServiceAccount and projected tokens pass the operator's pod policy).
+        "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 30,
         "securityContext": {
             "runAsNonRoot": True,
@@ -238,8 +249,7 @@ def build_pod(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        # NCCL and gloo need more shared memory than the container runtime's 64 MiB default.
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *copy.deepcopy(template.volumes)],
+        "volumes": volumes,
     }
     if template.node_selector:
         pod_spec["nodeSelector"] = dict(template.node_selector)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from tessera_operator.podpolicy import DEFAULT_MAX_PODS_PER_CLUSTER, PodPolicy
+
 
 def _float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
@@ -15,6 +17,25 @@ def _float(name: str, default: float) -> float:
 
 def _int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
+
+
+def names(text: str) -> frozenset[str]:
+    """`a,b` -> {a, b} (flags and environment variables list names this way)."""
+    return frozenset(n.strip() for n in text.split(",") if n.strip())
+
+
+def pod_policy_from_environment() -> PodPolicy:
+    return PodPolicy(
+        allow_host_path=_flag("TESSERA_OPERATOR_ALLOW_HOST_PATH"),
+        allow_secrets=_flag("TESSERA_OPERATOR_ALLOW_SECRETS"),
+        allowed_service_accounts=names(os.environ.get("TESSERA_OPERATOR_ALLOWED_SERVICE_ACCOUNTS", "")),
+        allowed_priority_classes=names(os.environ.get("TESSERA_OPERATOR_ALLOWED_PRIORITY_CLASSES", "")),
+        max_pods_per_cluster=_int("TESSERA_OPERATOR_MAX_PODS_PER_CLUSTER", DEFAULT_MAX_PODS_PER_CLUSTER),
+    )
 
 
 @dataclass
@@ -44,6 +65,8 @@ class OperatorConfig:
     webhook_managed: str | None = field(
         default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_MANAGED") or None
     )
+    # What a spec may put into rank pods (hostPath, Secrets, ServiceAccounts, ...) and the pod cap.
+    pod_policy: PodPolicy = field(default_factory=pod_policy_from_environment)
 
 
 CONFIG = OperatorConfig()

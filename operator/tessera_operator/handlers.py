@@ -32,9 +32,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.posting.enabled = False  # our own Events say what happened; kopf's would repeat logs
     settings.watching.server_timeout = 300
     settings.networking.connect_timeout = 10
-    webhook.configure(settings, CONFIG)
     client = KubeClient.from_environment(CONFIG.kubeconfig, concurrency=CONFIG.concurrency)
-    reconciler = Reconciler(client, resync_seconds=CONFIG.resync_seconds)
+    webhook.configure(settings, CONFIG, client)
+    reconciler = Reconciler(client, resync_seconds=CONFIG.resync_seconds, policy=CONFIG.pod_policy)
 
     async def handle(key: Any) -> float | None:
         namespace, name = key

@@ -13,6 +13,16 @@ ROLE_LABEL = "tessera.dev/role"
 REVISION_LABEL = "tessera.dev/revision"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "tessera-operator"}
 LEADER, WORKER = "leader", "worker"
+# Labels and annotations the operator writes on every pod; a spec cannot set keys of this form.
+RESERVED_LABELS = frozenset(MANAGED_BY)
+RESERVED_PREFIX = LABEL_PREFIX
+
+# Volumes the operator adds to every rank pod. The root filesystem is read-only: the runtime
+# writes its cache (converted models, compiled CPU kernels), temporary files (ZeroMQ IPC
+# sockets, torch, the kernel compiler) and HOME into these emptyDirs.
+SHM_VOLUME, CACHE_VOLUME, TMP_VOLUME = "dshm", "tessera-cache", "tessera-tmp"
+SHM_DIR, CACHE_DIR, TMP_DIR = "/dev/shm", "/cache", "/tmp"
+OPERATOR_VOLUMES = frozenset({SHM_VOLUME, CACHE_VOLUME, TMP_VOLUME})
 
 # Pod hostnames are DNS-1123 labels (63 chars) and Service names DNS-1035 labels (start with a
 # letter): `<cluster>-g<group>-s<stage>-t<tp>` must fit, which bounds the cluster name.

@@ -4,6 +4,10 @@ Reads fresh state each pass (the object, its pods and Services) rather than trus
 records intent in status *before* destructive actions (so a crash mid-pass never loses a
 backoff deadline), creates pods under stable names (a repeated create is a harmless 409) and
 deletes with a uid precondition (never a newer incarnation of the same name).
+
+Whatever stops a pass for good (an invalid spec, a build error, a write the API server refuses:
+422, 403 from a quota) becomes a Degraded condition and a Warning Event naming the cause,
+never a silent retry loop; transient errors (5xx, timeouts) raise to the work queue's backoff.
 """
 
 from __future__ import annotations
@@ -16,24 +20,40 @@ from typing import Any
 
 from tessera_operator import api, builders, naming
 from tessera_operator.api import InferenceClusterSpec, InferenceClusterStatus
-from tessera_operator.kube import ApiError, KubeClient, core_path, custom_path
+from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
 from tessera_operator.observe import observe
 from tessera_operator.planner import Event, plan
-from tessera_operator.status import build_status, invalid_status
+from tessera_operator.podpolicy import PodPolicy
+from tessera_operator.status import build_status, degraded_status, keep_degraded
 from tessera_operator.timeutil import to_rfc3339
 from tessera_operator.validation import validate_object
 
 log = logging.getLogger("tessera_operator.reconcile")
 COMPONENT = "tessera-operator"
+FAILED_CREATE, FAILED_DELETE = "FailedCreate", "FailedDelete"
+WRITE_FAILURES = frozenset({FAILED_CREATE, FAILED_DELETE})
+
+
+class WriteRefused(Exception):
+    """The API server refused a write for good (4xx other than a conflict): report it, retry at resync."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class Reconciler:
     def __init__(
-        self, client: KubeClient, resync_seconds: float = 30.0, clock: Callable[[], float] = time.time
+        self,
+        client: KubeClient,
+        resync_seconds: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        policy: PodPolicy | None = None,
     ):
         self.client = client
         self.resync_seconds = resync_seconds
         self.clock = clock
+        self.policy = policy or PodPolicy()
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
         """Returns when to look again (seconds), or None when the object is gone."""
@@ -52,47 +72,60 @@ class Reconciler:
         previous = InferenceClusterStatus.model_validate(ic.get("status") or {})
         now = self.clock()
 
-        errors = validate_object(name, ic.get("spec") or {})
+        errors = validate_object(name, ic.get("spec") or {}, self.policy)
         if errors:
-            message = "; ".join(str(e) for e in errors)
-            status = invalid_status(previous, generation, message, now)
-            if await self.write_status(ic_path, previous, status):
-                await self.post_events(ref, [Event("Warning", "InvalidSpec", message)])
+            await self.report(ic_path, ref, previous, degraded_status(
+                previous, generation, "InvalidSpec", "; ".join(str(e) for e in errors), now
+            ))  # fmt: skip
             return None
 
-        spec = InferenceClusterSpec.model_validate(ic["spec"])
-        revision = builders.revision_of(spec)
         selector = naming.selector_string(naming.cluster_selector(name))
         pods, services = await asyncio.gather(
             self.client.list(core_path(namespace, "pods"), selector),
             self.client.list(core_path(namespace, "services"), selector),
         )
-        observation = observe(name, ref.uid, pods)
-        prior = {g.index: g for g in previous.groups}
-        decision = plan(spec, revision, observation, prior, now)
-        status = build_status(
-            name, generation, spec, revision, decision, builders.endpoint_of(ref), previous, now
-        )
+        try:  # pure: an exception here is a bug or a spec the rules missed, never transient
+            spec = InferenceClusterSpec.model_validate(ic["spec"])
+            revision = builders.revision_of(spec)
+            observation = observe(name, ref.uid, pods)
+            prior = {g.index: g for g in previous.groups}
+            decision = plan(spec, revision, observation, prior, now)
+            status = build_status(
+                name, generation, spec, revision, decision, builders.endpoint_of(ref), previous, now
+            )
+            existing = {p["metadata"]["name"] for p in pods}
+            to_create = [
+                pod
+                for index in decision.create_groups
+                for pod in builders.build_group(ref, spec, revision, index)
+                if pod["metadata"]["name"] not in existing
+            ]
+        except Exception as exc:
+            log.exception("%s/%s: cannot plan", namespace, name)
+            message = f"{type(exc).__name__}: {exc}"
+            await self.report(ic_path, ref, previous, degraded_status(
+                previous, generation, "ReconcileError", message, now
+            ))  # fmt: skip
+            return self.resync_seconds
+
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
-        existing = {p["metadata"]["name"] for p in pods}
-        to_create = [
-            pod
-            for index in decision.create_groups
-            for pod in builders.build_group(ref, spec, revision, index)
-            if pod["metadata"]["name"] not in existing
-        ]
         writes = [
             *(self.create(core_path(namespace, "pods"), pod) for pod in to_create),
             self.ensure_services(ref, services),
+            *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
         ]
+        intent = previous
         if decision.delete_pods:
             # Intent first: a backoff deadline or an Updating mark must survive a crash mid-pass.
-            await self.write_status(ic_path, previous, status)
-            await asyncio.gather(
-                *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods), *writes
-            )
+            intent = keep_degraded(status, previous, WRITE_FAILURES)
+            await self.write_status(ic_path, previous, intent)
+        refused = await self.refused_writes(writes)
+        if refused:
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            failed = degraded_status(status, generation, refused[0].reason, f"{refused[0]}{more}", now)
+            await self.report(ic_path, ref, intent, failed)
         else:
-            await asyncio.gather(self.write_status(ic_path, previous, status), *writes)
+            await self.write_status(ic_path, intent, status)
         log.debug(
             "%s/%s: %d pods seen, %d created, %d deleted, groups %s",
             namespace, name, len(pods), len(to_create), len(decision.delete_pods),
@@ -101,7 +134,30 @@ class Reconciler:
         await self.post_events(ref, decision.events)
         if decision.events:
             log.info("%s/%s: %s", namespace, name, "; ".join(e.message for e in decision.events))
+        if refused:  # e.g. a quota that may free up, or a fixed spec: look again at the resync
+            return self.resync_seconds
         return min(decision.requeue_after or self.resync_seconds, self.resync_seconds)
+
+    async def refused_writes(self, writes: list[Any]) -> list[WriteRefused]:
+        """Runs the writes; returns those refused for good, raises anything transient."""
+        results = await asyncio.gather(*writes, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, WriteRefused):
+                raise result
+        return [r for r in results if isinstance(r, WriteRefused)]
+
+    async def report(
+        self,
+        ic_path: str,
+        ref: builders.ClusterRef,
+        previous: InferenceClusterStatus,
+        status: InferenceClusterStatus,
+    ) -> None:
+        """Write a Degraded status; a Warning Event when it changed (not one per pass)."""
+        if await self.write_status(ic_path, previous, status):
+            degraded = next(c for c in status.conditions if c.type == "Degraded")
+            log.warning("%s/%s: %s: %s", ref.namespace, ref.name, degraded.reason, degraded.message)
+            await self.post_events(ref, [Event("Warning", degraded.reason, degraded.message)])
 
     async def write_status(
         self, ic_path: str, previous: InferenceClusterStatus, status: InferenceClusterStatus
@@ -119,15 +175,17 @@ class Reconciler:
         try:
             await self.client.create(path, body)
         except ApiError as exc:
-            if exc.status != 409:  # 409: it exists (or its predecessor still terminates)
-                raise
+            if exc.status == 409:  # it exists (or its predecessor still terminates)
+                return
+            what = f"creating {body.get('kind', 'object').lower()} {body['metadata']['name']}"
+            raise refusal(FAILED_CREATE, what, exc) from exc
 
     async def delete_pod(self, namespace: str, name: str, uid: str | None) -> None:
         try:
             await self.client.delete(core_path(namespace, "pods", name), uid=uid)
         except ApiError as exc:
             if exc.status not in (404, 409):  # gone already, or replaced by a newer incarnation
-                raise
+                raise refusal(FAILED_DELETE, f"deleting pod {name}", exc) from exc
 
     async def ensure_services(self, ref: builders.ClusterRef, services: Iterable[dict[str, Any]]) -> None:
         existing = {s["metadata"]["name"]: s for s in services}
@@ -177,6 +235,13 @@ class Reconciler:
                 await self.client.create(core_path(ref.namespace, "events"), body)
             except ApiError as exc:  # events are best effort: never fail a pass over one
                 log.warning("could not post event %s: %s", event.reason, exc)
+
+
+def refusal(reason: str, what: str, exc: ApiError) -> Exception:
+    """A WriteRefused naming the object and the API server's message, or `exc` itself if transient."""
+    if exc.status in RETRYABLE or exc.status < 400:
+        return exc
+    return WriteRefused(reason, f"{what}: {exc}")
 
 
 def service_drifted(current: dict[str, Any], desired: dict[str, Any]) -> bool:

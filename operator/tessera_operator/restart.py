@@ -14,7 +14,8 @@ from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 
 def backoff_seconds(restarts: int, policy: RestartPolicySpec) -> float:
     """Delay before restart number `restarts` (1-based)."""
-    exponent = max(restarts - 1, 0)
+    # Capped: after ~1,000 consecutive failures 2.0**exponent would overflow and fail every pass.
+    exponent = min(max(restarts - 1, 0), 62)
     return float(min(policy.backoff_base_seconds * (2.0**exponent), policy.backoff_max_seconds))
 
 

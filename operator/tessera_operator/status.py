@@ -113,16 +113,32 @@ def build_status(
     )
 
 
-def invalid_status(
-    previous: InferenceClusterStatus, generation: int | None, message: str, now: float
+def degraded_status(
+    status: InferenceClusterStatus, generation: int | None, reason: str, message: str, now: float
 ) -> InferenceClusterStatus:
-    """The spec breaks a cross-field rule: change nothing, say why."""
+    """`status` with Degraded=True saying why the operator cannot act (InvalidSpec, FailedCreate, ...)."""
     condition = Condition(
-        type="Degraded", status="True", reason="InvalidSpec", message=message, observed_generation=generation
+        type="Degraded", status="True", reason=reason, message=message, observed_generation=generation
     )
-    return previous.model_copy(
+    return status.model_copy(
         update={
             "observed_generation": generation,
-            "conditions": set_condition(previous.conditions, condition, now),
+            "conditions": set_condition(status.conditions, condition, now),
         }
+    )
+
+
+def keep_degraded(
+    status: InferenceClusterStatus, previous: InferenceClusterStatus, reasons: frozenset[str]
+) -> InferenceClusterStatus:
+    """`status` with the previous Degraded condition when it had one of `reasons`.
+
+    An intent write made before a pass's writes must not clear a failure those writes may
+    report again at the end of the pass (the condition would flap, with an Event each pass).
+    """
+    old = next((c for c in previous.conditions if c.type == "Degraded" and c.reason in reasons), None)
+    if old is None or old.status != "True":
+        return status
+    return status.model_copy(
+        update={"conditions": [c for c in status.conditions if c.type != "Degraded"] + [old]}
     )

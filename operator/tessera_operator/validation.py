@@ -1,5 +1,8 @@
-"""Cross-field rules the CRD schema cannot express (Kubernetes 1.20 has no CEL).
+"""Every rule an InferenceCluster must pass before the operator acts on it.
 
+The CRD schema holds types and ranges; this adds what structural schemas cannot say in
+Kubernetes 1.20 (no CEL): cross-field rules, Kubernetes' syntax for what is copied into pods
+(so a bad value never turns into a 422 on every pod create), and the operator's pod policy.
 Used by the validating webhook (reject at admission) and by the reconciler (refuse to act,
 report `Degraded/InvalidSpec`) so an object that slipped past a missing webhook is still safe.
 Every error names the field at fault.
@@ -7,27 +10,29 @@ Every error names the field at fault.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from tessera.topology import Topology
-from tessera_operator.api import InferenceClusterSpec
+from tessera_operator import naming
+from tessera_operator.api import InferenceClusterSpec, TemplateSpec
+from tessera_operator.fielderror import FieldError
+from tessera_operator.k8sformat import (
+    check_annotations,
+    check_labels,
+    check_resources,
+    qualified_name_problem,
+)
 from tessera_operator.known_models import known_num_layers
 from tessera_operator.naming import CLUSTER_NAME_RE, MAX_CLUSTER_NAME
+from tessera_operator.podpolicy import PodPolicy, check_pod_policy
+from tessera_operator.quantity import parse_quantity
+
+__all__ = ["RESERVED_ENV", "FieldError", "PodPolicy", "validate_object"]
 
 # Variables the operator owns in every rank pod; the user's env must not shadow them.
 RESERVED_ENV = frozenset(Topology.model_validate({}).to_env()) | {"TESSERA_LAYER_PARTITION", "PYTHONHASHSEED"}
-
-
-@dataclass(frozen=True)
-class FieldError:
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
 
 
 def parse_spec(raw: dict[str, Any]) -> tuple[InferenceClusterSpec | None, list[FieldError]]:
@@ -52,7 +57,7 @@ def validate_name(name: str) -> list[FieldError]:
     return []
 
 
-def validate_spec(spec: InferenceClusterSpec) -> list[FieldError]:
+def validate_layout(spec: InferenceClusterSpec) -> list[FieldError]:
     errors: list[FieldError] = []
     par = spec.parallelism
     if par.sequence_parallel and par.tensor < 2:
@@ -77,6 +82,11 @@ def validate_spec(spec: InferenceClusterSpec) -> list[FieldError]:
         errors.append(
             FieldError("spec.parallelism.pipeline", f"{par.pipeline} stages for a model of {layers} layers")
         )
+    return errors
+
+
+def validate_policies(spec: InferenceClusterSpec) -> list[FieldError]:
+    errors: list[FieldError] = []
     if spec.rollout.max_unavailable == 0 and spec.rollout.max_surge == 0:
         errors.append(
             FieldError(
@@ -92,6 +102,11 @@ def validate_spec(spec: InferenceClusterSpec) -> list[FieldError]:
         )
     if spec.autoscaling is not None and spec.autoscaling.min_replicas > spec.autoscaling.max_replicas:
         errors.append(FieldError("spec.autoscaling.minReplicas", "must be <= spec.autoscaling.maxReplicas"))
+    return errors
+
+
+def validate_engine(spec: InferenceClusterSpec) -> list[FieldError]:
+    errors: list[FieldError] = []
     eng = spec.engine
     if (
         not eng.enable_chunked_prefill
@@ -104,15 +119,76 @@ def validate_spec(spec: InferenceClusterSpec) -> list[FieldError]:
                 "must be >= spec.model.maxModelLen when chunked prefill is off",
             )
         )
-    for i, var in enumerate(spec.template.env):
-        if var.name in RESERVED_ENV:
-            errors.append(FieldError(f"spec.template.env[{i}].name", f"{var.name} is set by the operator"))
+    if eng.kv_cache_memory is not None:
+        try:
+            parse_quantity(eng.kv_cache_memory)
+        except ValueError as exc:
+            errors.append(FieldError("spec.engine.kvCacheMemory", str(exc)))
     return errors
 
 
-def validate_object(name: str, raw_spec: dict[str, Any]) -> list[FieldError]:
+def _reserved_keys(field: str, keys: Any, what: str) -> list[FieldError]:
+    return [
+        FieldError(f"{field}[{key}]", f"{what} {key!r} is set by the operator")
+        for key in keys
+        if key in naming.RESERVED_LABELS or key.startswith(naming.RESERVED_PREFIX)
+    ]
+
+
+def validate_volumes(template: TemplateSpec) -> list[FieldError]:
+    errors: list[FieldError] = []
+    names: set[str] = set()
+    for i, volume in enumerate(template.volumes):
+        name = volume.get("name")
+        if name in naming.OPERATOR_VOLUMES:
+            errors.append(
+                FieldError(f"spec.template.volumes[{i}].name", f"{name!r} is a volume of the operator")
+            )
+        elif name in names:
+            errors.append(FieldError(f"spec.template.volumes[{i}].name", f"duplicate volume {name!r}"))
+        names.add(str(name))
+    for i, mount in enumerate(template.volume_mounts):
+        if mount.get("name") not in names:
+            errors.append(
+                FieldError(
+                    f"spec.template.volumeMounts[{i}].name",
+                    f"{mount.get('name')!r} is not in spec.template.volumes",
+                )
+            )
+    return errors
+
+
+def validate_template(template: TemplateSpec) -> list[FieldError]:
+    """What is copied into every pod, in Kubernetes' own syntax (otherwise every pod create fails)."""
+    field = "spec.template"
+    errors = check_resources(f"{field}.resources", template.resources)
+    errors += check_labels(f"{field}.labels", template.labels)
+    errors += _reserved_keys(f"{field}.labels", template.labels, "label")
+    errors += check_annotations(f"{field}.annotations", template.annotations)
+    errors += _reserved_keys(f"{field}.annotations", template.annotations, "annotation")
+    errors += check_labels(f"{field}.nodeSelector", template.node_selector)
+    problem = qualified_name_problem(template.gpu_resource_name)
+    if problem:
+        errors.append(FieldError(f"{field}.gpuResourceName", problem))
+    for i, var in enumerate(template.env):
+        if var.name in RESERVED_ENV:
+            errors.append(FieldError(f"{field}.env[{i}].name", f"{var.name} is set by the operator"))
+    return errors + validate_volumes(template)
+
+
+def validate_spec(spec: InferenceClusterSpec, policy: PodPolicy | None = None) -> list[FieldError]:
+    errors = validate_layout(spec) + validate_policies(spec) + validate_engine(spec)
+    errors += validate_template(spec.template)
+    problem = qualified_name_problem(spec.placement.topology_key)
+    if problem:
+        errors.append(FieldError("spec.placement.topologyKey", problem))
+    return errors + check_pod_policy(spec, policy or PodPolicy())
+
+
+def validate_object(name: str, raw_spec: dict[str, Any], policy: PodPolicy | None = None) -> list[FieldError]:
+    """All errors of one object; `policy` is the operator's (default: the strictest)."""
     spec, errors = parse_spec(raw_spec)
     errors = validate_name(name) + errors
     if spec is not None:
-        errors += validate_spec(spec)
+        errors += validate_spec(spec, policy)
     return errors

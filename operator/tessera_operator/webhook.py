@@ -1,28 +1,50 @@
-"""Validating admission webhook: cross-field rules, each error naming its field.
+"""Validating admission webhook: every rule of `validation.py`, each error naming its field.
 
 The schema already rejects wrong types and ranges; this adds what structural schemas cannot
-say in Kubernetes 1.20 (no CEL). The rules themselves live in `validation.py`.
+say in Kubernetes 1.20 (no CEL). It judges CREATE and UPDATE only: a DELETE must always pass.
+
+With `--webhook-managed NAME` the operator keeps the ValidatingWebhookConfiguration NAME
+current (its URL and CA change with the serving certificate). kopf's own managed mode first
+*creates* the configuration, a right RBAC cannot limit to one name (it would let the operator
+register webhooks that receive any object, Secrets included); here the chart creates it and
+the operator only patches that one object (`resourceNames`). Without the object it tries to
+create it (dev setups with broad rights) and otherwise logs why no webhook is registered.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import kopf
 
 from tessera_operator import api
 from tessera_operator.certs import self_signed
-from tessera_operator.config import OperatorConfig
+from tessera_operator.config import CONFIG, OperatorConfig
+from tessera_operator.kube import ApiError, KubeClient
 from tessera_operator.validation import validate_object
 
+log = logging.getLogger("tessera_operator.webhook")
 HANDLER_ID = "tessera-validate"  # also the URL path the API server calls
+WEBHOOK_NAME = "validate.inferenceclusters.tessera.dev"
+OPERATIONS: tuple[Literal["CREATE"], Literal["UPDATE"]] = ("CREATE", "UPDATE")
+CONFIGURATIONS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
+GENERATED_SUFFIX = "x" * 5  # the API server appends 5 characters to a generateName
 _registered = False
 
 
-async def validate_inference_cluster(spec: Any, name: str | None, **_: Any) -> None:
-    errors = validate_object(name or "generated", dict(spec))
+async def validate_inference_cluster(
+    spec: Any, name: str | None, body: Any, operation: str | None = None, **_: Any
+) -> None:
+    if operation not in OPERATIONS:  # a hand-written configuration may still send DELETE
+        return
+    generate_name = (body.get("metadata") or {}).get("generateName")
+    name = name or (generate_name + GENERATED_SUFFIX if generate_name else "generated")
+    errors = validate_object(name, dict(spec), CONFIG.pod_policy)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors), code=422)
 
@@ -31,11 +53,84 @@ def register() -> None:
     """Register the handler; only when a server is configured (kopf refuses handlers without one)."""
     global _registered
     if not _registered:
-        kopf.on.validate(api.GROUP, api.VERSION, api.PLURAL, id=HANDLER_ID)(validate_inference_cluster)  # type: ignore[arg-type]
+        kopf.on.validate(  # type: ignore[arg-type]
+            api.GROUP, api.VERSION, api.PLURAL, id=HANDLER_ID, operations=set(OPERATIONS)
+        )(validate_inference_cluster)
         _registered = True
 
 
-def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+def webhooks(client_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `webhooks` of the configuration (the chart's static template holds the same rules)."""
+    config = dict(client_config)
+    if "url" in config:
+        config["url"] = f"{config['url'].rstrip('/')}/{HANDLER_ID}"
+    return [
+        {
+            "name": WEBHOOK_NAME,
+            "rules": [
+                {
+                    "apiGroups": [api.GROUP],
+                    "apiVersions": [api.VERSION],
+                    "resources": [api.PLURAL],
+                    "operations": list(OPERATIONS),
+                    "scope": "Namespaced",
+                }
+            ],
+            "clientConfig": config,
+            "admissionReviewVersions": ["v1", "v1beta1"],
+            "sideEffects": "None",
+            "failurePolicy": "Fail",
+            "matchPolicy": "Equivalent",
+            "timeoutSeconds": 10,
+        }
+    ]
+
+
+class ManagedWebhookServer:
+    """kopf's HTTPS webhook server, plus one named ValidatingWebhookConfiguration kept current."""
+
+    def __init__(self, server: kopf.WebhookServer, configuration: str, client: KubeClient) -> None:
+        self.server = server
+        self.configuration = configuration
+        self.client = client
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
+        registered = False
+        try:
+            async with self.server:
+                async for client_config in self.server(fn):
+                    registered = await self.write(webhooks(dict(client_config))) or registered
+                    yield client_config
+        finally:
+            if registered:  # like kopf: no webhook left behind without its server
+                with contextlib.suppress(Exception):
+                    await self.write([])
+
+    async def write(self, hooks: list[dict[str, Any]]) -> bool:
+        path = f"{CONFIGURATIONS}/{self.configuration}"
+        try:
+            try:
+                await self.client.merge_patch(path, {"webhooks": hooks})
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                if not hooks:
+                    return False  # nothing to remove (e.g. `helm uninstall` deleted it first)
+                body = {"metadata": {"name": self.configuration}, "webhooks": hooks}
+                await self.client.create(CONFIGURATIONS, body)
+        except ApiError as exc:
+            log.error(
+                "cannot write ValidatingWebhookConfiguration %s (%s): no admission webhook; "
+                "the reconciler still refuses invalid specs",
+                self.configuration,
+                exc,
+            )
+            return False
+        log.info("ValidatingWebhookConfiguration %s: %d webhook(s)", self.configuration, len(hooks))
+        return True
+
+
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: KubeClient) -> None:
     """Serve the webhook when a port is configured (otherwise the reconciler still refuses bad specs)."""
     if config.webhook_port is None:
         return
@@ -45,7 +140,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
     certfile, pkeyfile = directory / "tls.crt", directory / "tls.key"
     if not certfile.exists():
         certfile, pkeyfile = self_signed(directory, host)
-    settings.admission.server = kopf.WebhookServer(
+    server = kopf.WebhookServer(
         addr=config.webhook_addr,
         port=config.webhook_port,
         host=host,
@@ -53,5 +148,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
         pkeyfile=pkeyfile,
         cafile=certfile,
     )
-    if config.webhook_managed:
-        settings.admission.managed = config.webhook_managed
+    settings.admission.managed = None  # kopf's manager would need cluster-wide `create`
+    settings.admission.server = (
+        ManagedWebhookServer(server, config.webhook_managed, client) if config.webhook_managed else server
+    )

@@ -151,9 +151,16 @@ class FakeKubelet:
             self._stop.wait(0.3)
 
 
-def install_rbac(cluster: Any, ns: str, release: str, extra: tuple[str, ...] = ()) -> str:
-    """Render the chart's ServiceAccount + RBAC for `ns`, apply it, return that identity's kubeconfig."""
+def install_rbac(
+    cluster: Any, ns: str, release: str, extra: tuple[str, ...] = (), templates: tuple[str, ...] = ()
+) -> str:
+    """Render the chart's ServiceAccount + RBAC (+ `templates`) for `ns`, apply, return that identity's kubeconfig."""
     helm = str(Path(cluster.bin_dir) / "helm")
+    shown = [
+        arg
+        for t in ("serviceaccount.yaml", "rbac.yaml", *templates)
+        for arg in ("--show-only", f"templates/{t}")
+    ]
     rendered = subprocess.run(
         [
             helm,
@@ -164,10 +171,7 @@ def install_rbac(cluster: Any, ns: str, release: str, extra: tuple[str, ...] = (
             ns,
             "--set",
             f"watch.namespaces={{{ns}}}",
-            "--show-only",
-            "templates/serviceaccount.yaml",
-            "--show-only",
-            "templates/rbac.yaml",
+            *shown,
             *extra,
         ],
         check=True,
@@ -245,11 +249,12 @@ def running_operator(
     release: str | None = None,
     rbac_extra: tuple[str, ...] = (),
     cluster_wide: bool = False,
+    templates: tuple[str, ...] = (),
 ) -> Iterator[OperatorProcess]:
     """The operator under the chart's RBAC, installed in `ns` (watching only `ns` unless cluster-wide)."""
     if cluster_wide:
         rbac_extra = (*rbac_extra, "--set", "watch.clusterWide=true")
-    kubeconfig = install_rbac(cluster, ns, release or ns, rbac_extra)
+    kubeconfig = install_rbac(cluster, ns, release or ns, rbac_extra, templates)
     operator = OperatorProcess(cluster, None if cluster_wide else ns, kubeconfig, *args).start()
     try:
         yield operator

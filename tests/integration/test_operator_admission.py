@@ -14,6 +14,7 @@ from tests.integration.operator_harness import (
     condition,
     free_port,
     ic,
+    kjson,
     pod_names,
     running_operator,
     wait_for,
@@ -53,29 +54,40 @@ def test_schema_rejects_types_and_ranges(
 
 
 def test_examples_pass_server_side_validation(crds: Any, k8s_namespace: str) -> None:
-    for example in ("smollm2-local.yaml", "llama-70b-gpu.yaml"):
+    for example in ("smollm2-local.yaml", "llama-70b-gpu.yaml", "networkpolicy.yaml"):
         crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(ROOT / "examples" / example))
 
 
+def other_webhook_configuration(name: str) -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": name},
+        }
+    )
+
+
 def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_namespace: str) -> None:
+    """The operator keeps its own ValidatingWebhookConfiguration current with the chart's RBAC, and no other."""
     cluster, ns = crds, k8s_namespace
-    config_name = f"{ns}.tessera.dev"
+    config_name = f"{ns}-operator.tessera.dev"  # the chart's name for release `ns`
+    other = f"{ns}-other.example.com"
     port = free_port()
     args = (
         "--webhook-port", str(port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
         "--webhook-managed", config_name,
     )  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=other_webhook_configuration(other))
     try:
-        with running_operator(cluster, ns, *args, rbac_extra=("--set", "webhook.enabled=true")):
-            wait_for(
-                lambda: (
-                    cluster.kubectl(
-                        "get", "validatingwebhookconfiguration", config_name, check=False
-                    ).returncode
-                    == 0
-                ),
-                "kopf registered the webhook",
+        with running_operator(
+            cluster, ns, *args, rbac_extra=("--set", "webhook.enabled=true"), templates=("webhook.yaml",)
+        ) as operator:
+            live = wait_for(
+                lambda: kjson(cluster, "get", "validatingwebhookconfiguration", config_name).get("webhooks"),
+                "the operator registered its webhook",
             )
+            assert [rule["operations"] for rule in live[0]["rules"]] == [["CREATE", "UPDATE"]]
             cases: list[tuple[dict[str, Any], str]] = [
                 (
                     {"parallelism": {"tensor": 2, "pipeline": 2, "layerPartition": [30]}},
@@ -90,6 +102,25 @@ def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_name
                     "spec.parallelism.layerPartition",
                 ),
                 ({"rollout": {"maxUnavailable": 0, "maxSurge": 0}}, "spec.rollout.maxUnavailable"),
+                ({"engine": {"kvCacheMemory": "1e400"}}, "spec.engine.kvCacheMemory"),
+                ({"parallelism": {"tensor": 64, "pipeline": 30}}, "spec.replicas"),
+                ({"template": {"serviceAccountName": "admin"}}, "spec.template.serviceAccountName"),
+                (
+                    {"template": {"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}},
+                    "spec.template.volumes[0].hostPath",
+                ),
+                (
+                    {
+                        "template": {
+                            "env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]
+                        }
+                    },
+                    "spec.template.env[0].valueFrom.secretKeyRef",
+                ),
+                (
+                    {"template": {"resources": {"limits": {"memory": "1e400"}}}},
+                    "spec.template.resources.limits",
+                ),
             ]
             for spec, field in cases:
 
@@ -100,8 +131,30 @@ def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_name
                 result = wait_for(rejected, f"rejection of {field}", timeout=15)
                 assert field in result.stderr and "denied" in result.stderr, result.stderr
             cluster.kubectl("apply", "-n", ns, "-f", "-", input=manifest())  # a valid object passes
+            cluster.kubectl("delete", "ic", "bad", "-n", ns)  # DELETE is never sent to the webhook
+
+            # The chart's RBAC: enough to keep its own configuration, nothing over any other.
+            as_operator = operator.kubeconfig
+            for attempt in (
+                ("patch", "validatingwebhookconfiguration", other, "--type=merge", "-p", '{"webhooks": []}'),
+                ("delete", "validatingwebhookconfiguration", config_name),
+                ("get", "validatingwebhookconfigurations"),
+            ):
+                r = cluster.kubectl(*attempt, kubeconfig=as_operator, check=False)
+                assert r.returncode != 0 and "forbidden" in r.stderr.lower(), (attempt, r.stderr)
+            r = cluster.kubectl(
+                "create",
+                "-f",
+                "-",
+                input=other_webhook_configuration(f"{ns}-new"),
+                kubeconfig=as_operator,
+                check=False,
+            )
+            assert r.returncode != 0 and "forbidden" in r.stderr.lower(), r.stderr
+        # Stopped: like kopf, it leaves no webhook behind that nothing serves.
+        assert not kjson(cluster, "get", "validatingwebhookconfiguration", config_name).get("webhooks")
     finally:
-        cluster.kubectl("delete", "validatingwebhookconfiguration", config_name, "--ignore-not-found")
+        cluster.kubectl("delete", "validatingwebhookconfiguration", config_name, other, "--ignore-not-found")
 
 
 def test_without_the_webhook_the_operator_still_refuses_an_invalid_spec(
@@ -134,6 +187,8 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
             ns,
             "--set",
             f"watch.namespaces={{{ns}}}",
+            "--set",
+            "webhook.enabled=true",
         ],
         capture_output=True,
         text=True,
@@ -155,6 +210,11 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
         assert not can("create", "pods", "default")  # namespace-scoped install
         assert not can("delete", "inferenceclusters.tessera.dev", ns)
         assert not can("create", "secrets", ns)
+        own = f"validatingwebhookconfigurations/{release}-operator.tessera.dev"
+        assert can("patch", own, ns) and not can("delete", own, ns)
+        assert not can("patch", "validatingwebhookconfigurations/someone-elses", ns)
+        assert not can("create", "validatingwebhookconfigurations", ns)
+        assert not can("list", "validatingwebhookconfigurations", ns)
         deployment = cluster.kubectl("get", "deploy", f"{release}-operator", "-n", ns, "-o", "yaml").stdout
         spec = yaml.safe_load(deployment)["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True

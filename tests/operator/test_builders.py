@@ -115,8 +115,9 @@ def test_template_fields_are_merged_and_gpus_added_per_rank() -> None:
     assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     env = env_dict(pod)
     assert env["HF_HOME"] == "/cache" and env["TESSERA_RANK"] == "2"  # the contract cannot be overridden
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm", "cache"]
-    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/dev/shm", "/cache"]
+    # The user's volume at /cache replaces the operator's cache emptyDir.
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm", "tessera-tmp", "cache"]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/dev/shm", "/tmp", "/cache"]
     assert pod["spec"]["affinity"]["nodeAffinity"] == {"x": 1}
     assert spec.template.affinity == {"nodeAffinity": {"x": 1}}  # the spec itself is not mutated
 
@@ -177,3 +178,30 @@ def test_defaults_match_the_minimal_design_object() -> None:
     )
     assert len(builders.build_group(REF, spec, "r", 0)) == 6
     assert spec.rollout.max_unavailable == 1 and spec.autoscaling is None
+
+
+def test_rank_pods_hold_no_token_and_write_only_to_their_empty_dirs() -> None:
+    pod = builders.build_pod(REF, spec_of(), "r", 0, 0, 0)
+    container = pod["spec"]["containers"][0]
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod["spec"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert mounts == {"/dev/shm": "dshm", "/cache": "tessera-cache", "/tmp": "tessera-tmp"}
+    assert all("emptyDir" in volumes[name] for name in mounts.values())
+    env = env_dict(pod)
+    assert (env["TESSERA_CACHE"], env["TMPDIR"], env["HOME"]) == ("/cache", "/tmp", "/tmp")
+
+
+def test_the_user_may_point_the_cache_at_a_volume_of_their_own() -> None:
+    spec = spec_of(
+        template={
+            "env": [{"name": "TESSERA_CACHE", "value": "/models/cache"}],
+            "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "m"}}],
+            "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+        }
+    )
+    pod = builders.build_pod(REF, spec, "r", 0, 0, 0)
+    names = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
+    assert names.count("TESSERA_CACHE") == 1 and env_dict(pod)["TESSERA_CACHE"] == "/models/cache"

@@ -8,6 +8,8 @@ import pytest
 import yaml
 
 from e2e.local_cluster import default_bin_dir
+from tessera_operator import webhook
+from tessera_operator.__main__ import parse_args
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "tessera"
 HELM = default_bin_dir() / "helm"
@@ -48,6 +50,45 @@ def test_cluster_wide_mode_and_managed_webhook() -> None:
     assert not [d for d in docs if d["kind"] == "Role"]
     rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
     assert any("pods" in r["resources"] and "create" in r["verbs"] for r in rules)
-    assert any("validatingwebhookconfigurations" in r["resources"] for r in rules)
+    # Its own webhook configuration (created by the chart, empty) and no other: no create, list, watch.
+    [webhook_rule] = [r for r in rules if "validatingwebhookconfigurations" in r["resources"]]
+    assert webhook_rule["resourceNames"] == ["rel-operator.tessera.dev"] and webhook_rule["verbs"] == [
+        "patch"
+    ]
+    [config] = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
+    assert config["metadata"]["name"] == "rel-operator.tessera.dev" and "webhooks" not in config
     [deploy] = [d for d in docs if d["kind"] == "Deployment"]
     assert "--all-namespaces" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_static_webhook_configuration_has_the_operators_rules() -> None:
+    docs = render("webhook.enabled=true", "webhook.managed=false", "webhook.caBundle=Zm9v")
+    [config] = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
+    [hook] = config["webhooks"]
+    [managed] = webhook.webhooks({"url": "https://operator:9443"})
+    assert hook["rules"] == managed["rules"] and hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+    assert hook["clientConfig"]["service"]["path"] == "/" + webhook.HANDLER_ID
+    assert managed["clientConfig"]["url"] == "https://operator:9443/" + webhook.HANDLER_ID
+
+
+def test_pod_policy_values_become_operator_flags() -> None:
+    def args(*sets: str) -> list[str]:
+        [deploy] = [d for d in render(*sets) if d["kind"] == "Deployment"]
+        return list(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
+
+    strict = args()
+    assert "--max-pods-per-cluster=1024" in strict
+    assert not [a for a in strict if a.startswith(("--allow-", "--allowed-"))]
+    opened = args(
+        "podPolicy.allowHostPath=true",
+        "podPolicy.allowSecrets=true",
+        "podPolicy.allowedServiceAccounts={inference,batch}",
+        "podPolicy.allowedPriorityClasses={high}",
+        "podPolicy.maxPodsPerCluster=4096",
+    )
+    assert {"--allow-host-path", "--allow-secrets", "--allowed-service-accounts=inference,batch"} <= set(
+        opened
+    )
+    assert {"--allowed-priority-classes=high", "--max-pods-per-cluster=4096"} <= set(opened)
+    parsed = parse_args([a for a in opened if a.startswith(("--allow", "--max-pods"))])
+    assert parsed.allowed_service_accounts == {"inference", "batch"} and parsed.max_pods_per_cluster == 4096

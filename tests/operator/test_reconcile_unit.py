@@ -6,7 +6,11 @@ import copy
 import itertools
 from typing import Any
 
+import pytest
+
+from tessera_operator import builders
 from tessera_operator.kube import ApiError
+from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.reconcile import Reconciler
 
 _uids = itertools.count()
@@ -16,6 +20,8 @@ class FakeClient:
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
         self.calls: list[tuple[str, str]] = []
+        self.events: list[dict[str, Any]] = []
+        self.refuse_pods: ApiError | None = None  # what the API server answers to a pod create
 
     async def get(self, path: str) -> dict[str, Any]:
         if path not in self.objects:
@@ -33,7 +39,10 @@ class FakeClient:
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("POST", path))
         if path.endswith("/events"):
+            self.events.append(body)
             return body
+        if self.refuse_pods is not None and path.endswith("/pods"):
+            raise self.refuse_pods
         full = f"{path}/{body['metadata']['name']}"
         if full in self.objects:
             raise ApiError(409, {"message": "exists"})
@@ -118,3 +127,71 @@ async def test_drifted_service_is_repaired_and_invalid_spec_is_reported_not_acte
 async def test_a_deleted_cluster_stops_the_loop() -> None:
     reconciler = Reconciler(FakeClient())  # type: ignore[arg-type]
     assert await reconciler.reconcile("ns", "gone") is None
+
+
+def degraded(client: FakeClient) -> dict[str, Any]:
+    conditions = client.objects[IC_PATH]["status"]["conditions"]
+    return next(c for c in conditions if c["type"] == "Degraded")
+
+
+async def test_an_overflowing_quantity_is_an_invalid_spec_with_an_event_not_a_crash() -> None:
+    client = fake_with_cluster(engine={"kvCacheMemory": "1e400"})
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    assert await reconciler.reconcile("ns", "demo") is None
+    assert degraded(client)["reason"] == "InvalidSpec"
+    assert "spec.engine.kvCacheMemory" in degraded(client)["message"]
+    [event] = client.events
+    assert event["type"] == "Warning" and "spec.engine.kvCacheMemory" in event["message"]
+
+
+async def test_a_refused_pod_create_is_reported_once_and_cleared_when_it_succeeds() -> None:
+    client = fake_with_cluster()
+    client.refuse_pods = ApiError(
+        422, {"message": 'Pod "demo-g0-s0-t0" is invalid: spec.tolerations[0].operator'}
+    )
+    reconciler = Reconciler(client, resync_seconds=9, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    assert await reconciler.reconcile("ns", "demo") == 9
+    condition = degraded(client)
+    assert condition["status"] == "True" and condition["reason"] == "FailedCreate"
+    assert (
+        "creating pod demo-g0-s0-t0: 422" in condition["message"] and "(and 3 more)" in condition["message"]
+    )
+    assert [e["reason"] for e in client.events] == ["FailedCreate"]
+    await reconciler.reconcile("ns", "demo")
+    assert len(client.events) == 1  # the same failure again: no Event per pass
+    client.refuse_pods = None
+    await reconciler.reconcile("ns", "demo")
+    assert degraded(client)["status"] == "False" and len([p for p in client.objects if "/pods/" in p]) == 4
+
+
+async def test_a_transient_error_goes_to_the_work_queue_backoff() -> None:
+    client = fake_with_cluster()
+    client.refuse_pods = ApiError(503, {"message": "unavailable"})
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    with pytest.raises(ApiError):
+        await reconciler.reconcile("ns", "demo")
+
+
+async def test_a_build_error_is_reported_not_retried_silently(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: Any) -> list[dict[str, Any]]:
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(builders, "build_group", broken)
+    client = fake_with_cluster()
+    reconciler = Reconciler(client, resync_seconds=9, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    assert await reconciler.reconcile("ns", "demo") == 9
+    assert degraded(client)["reason"] == "ReconcileError"
+    assert "OverflowError: int too large" in degraded(client)["message"]
+    assert [e["reason"] for e in client.events] == ["ReconcileError"]
+
+
+async def test_the_reconciler_applies_the_operators_pod_policy() -> None:
+    spec = {"template": {"serviceAccountName": "inference"}}
+    client = fake_with_cluster(**spec)
+    assert await Reconciler(client, clock=lambda: 1.0).reconcile("ns", "demo") is None  # type: ignore[arg-type]
+    assert "spec.template.serviceAccountName" in degraded(client)["message"]
+    allowed = PodPolicy(allowed_service_accounts=frozenset({"inference"}))
+    client = fake_with_cluster(**spec)
+    await Reconciler(client, clock=lambda: 1.0, policy=allowed).reconcile("ns", "demo")  # type: ignore[arg-type]
+    pods = [o for p, o in client.objects.items() if "/pods/" in p]
+    assert len(pods) == 4 and all(p["spec"]["serviceAccountName"] == "inference" for p in pods)

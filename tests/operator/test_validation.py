@@ -1,5 +1,6 @@
 import pytest
 
+from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.validation import validate_object
 
 BASE = {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"tensor": 2, "pipeline": 2}}
@@ -63,3 +64,110 @@ def test_unknown_models_skip_the_layer_count_check() -> None:
 @pytest.mark.parametrize("name", ["0demo", "Demo", "a" * 41, "demo-"])
 def test_cluster_names_must_leave_room_for_rank_hostnames(name: str) -> None:
     assert fields(name) == ["metadata.name"]
+
+
+HOST_PATH = {"name": "node", "hostPath": {"path": "/"}}
+SECRET_ENV = {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"replicas": 100_000}, "spec.replicas"),  # the schema's maximum
+        ({"replicas": 1, "parallelism": {"tensor": 64, "pipeline": 64}}, "spec.replicas"),  # 4,096 pods
+        ({"replicas": 65, "parallelism": {"tensor": 8, "pipeline": 2}}, "spec.replicas"),  # 1,040 > 1,024
+        (
+            {
+                "parallelism": {"tensor": 8, "pipeline": 2},
+                "autoscaling": {"enabled": True, "maxReplicas": 200},
+            },
+            "spec.autoscaling.maxReplicas",
+        ),
+        (
+            {"replicas": 60, "parallelism": {"tensor": 8, "pipeline": 2}, "rollout": {"maxSurge": 20}},
+            "spec.rollout.maxSurge",
+        ),
+        ({"engine": {"kvCacheMemory": "1e400"}}, "spec.engine.kvCacheMemory"),
+        ({"engine": {"kvCacheMemory": "1e999999999999999"}}, "spec.engine.kvCacheMemory"),
+        (
+            {"template": {"resources": {"limits": {"memory": "1e400"}}}},
+            "spec.template.resources.limits[memory]",
+        ),
+        ({"template": {"resources": {"limits": {"cpu": "lots"}}}}, "spec.template.resources.limits[cpu]"),
+        ({"template": {"resources": {"request": {"cpu": "1"}}}}, "spec.template.resources.request"),
+        (
+            {"template": {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}},
+            "spec.template.resources.requests[cpu]",
+        ),
+        ({"template": {"serviceAccountName": "admin"}}, "spec.template.serviceAccountName"),
+        ({"template": {"priorityClassName": "system-node-critical"}}, "spec.template.priorityClassName"),
+        ({"template": {"volumes": [HOST_PATH]}}, "spec.template.volumes[0].hostPath"),
+        ({"template": {"env": [SECRET_ENV]}}, "spec.template.env[0].valueFrom.secretKeyRef"),
+        (
+            {"template": {"volumes": [{"name": "s", "secret": {"secretName": "s"}}]}},
+            "spec.template.volumes[0].secret",
+        ),
+        (
+            {"template": {"volumes": [TOKEN]}},
+            "spec.template.volumes[0].projected.sources[0].serviceAccountToken",
+        ),
+        (
+            {
+                "template": {
+                    "annotations": {"container.apparmor.security.beta.kubernetes.io/rank": "unconfined"}
+                }
+            },
+            "spec.template.annotations[container.apparmor.security.beta.kubernetes.io/rank]",
+        ),
+        ({"template": {"labels": {"team": "a b"}}}, "spec.template.labels[team]"),
+        ({"template": {"labels": {"tessera.dev/group": "7"}}}, "spec.template.labels[tessera.dev/group]"),
+        (
+            {"template": {"annotations": {"tessera.dev/group-size": "1"}}},
+            "spec.template.annotations[tessera.dev/group-size]",
+        ),
+        ({"template": {"nodeSelector": {"bad key": "x"}}}, "spec.template.nodeSelector[bad key]"),
+        ({"template": {"image": "registry/runtime cpu:1"}}, "spec.template.image"),
+        ({"template": {"env": [{"name": "A B", "value": "1"}]}}, "spec.template.env.0.name"),
+        ({"template": {"env": [{"name": f"V{i}", "value": "1"} for i in range(300)]}}, "spec.template.env"),
+        ({"template": {"gpuResourceName": "nvidia gpu"}}, "spec.template.gpuResourceName"),
+        ({"placement": {"topologyKey": "-zone"}}, "spec.placement.topologyKey"),
+        ({"model": {"source": "--api-key=stolen"}}, "spec.model.source"),
+        ({"template": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "spec.template.volumes[0].name"),
+        (
+            {"template": {"volumeMounts": [{"name": "nope", "mountPath": "/x"}]}},
+            "spec.template.volumeMounts[0].name",
+        ),
+        ({"restartPolicy": {"backoffMaxSeconds": 1e308}}, "spec.restartPolicy.backoffMaxSeconds"),
+    ],
+)
+def test_what_would_fail_or_escalate_in_the_pods_is_rejected_naming_the_field(
+    changes: dict[str, object], field: str
+) -> None:
+    assert field in fields("demo", **changes)
+
+
+def test_the_operators_configuration_opens_each_restriction() -> None:
+    spec = {
+        "model": {"source": "/models/custom"},
+        "parallelism": {"tensor": 64, "pipeline": 64},
+        "template": {
+            "serviceAccountName": "inference",
+            "priorityClassName": "high",
+            "env": [SECRET_ENV],
+            "volumes": [HOST_PATH, TOKEN, {"name": "s", "secret": {"secretName": "s"}}],
+        },
+    }
+    assert len(validate_object("demo", spec)) == 7
+    policy = PodPolicy(
+        allow_host_path=True,
+        allow_secrets=True,
+        allowed_service_accounts=frozenset({"inference"}),
+        allowed_priority_classes=frozenset({"high"}),
+        max_pods_per_cluster=4096,
+    )
+    assert validate_object("demo", spec, policy) == []
+
+
+def test_the_largest_cluster_within_the_cap_passes() -> None:
+    assert fields("demo", replicas=64, parallelism={"tensor": 8, "pipeline": 2}) == []  # 1,024 pods

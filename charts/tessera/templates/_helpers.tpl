@@ -23,6 +23,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
+{{/* The ValidatingWebhookConfiguration the operator keeps current (webhook.managed). */}}
+{{- define "tessera.webhookConfigurationName" -}}
+{{- include "tessera.fullname" . -}}.tessera.dev
+{{- end -}}
+
 {{- define "tessera.namespaces" -}}
 {{- if .Values.watch.namespaces -}}
 {{- join "," .Values.watch.namespaces -}}

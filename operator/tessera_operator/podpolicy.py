@@ -1,0 +1,128 @@
+"""What an InferenceCluster may put into the pods the operator creates on its author's behalf.
+
+The operator holds `pods/create` wherever it serves, and whoever writes an InferenceCluster
+borrows that right. By default a spec cannot reach node files (hostPath), Secrets (env
+`secretKeyRef`, secret volumes), API credentials (a ServiceAccount of its choice, projected
+tokens), a PriorityClass that preempts other work, or annotations that lift the container's
+confinement; the operator's configuration opens the first four one by one. No spec may ask
+for more than `max_pods_per_cluster` pods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tessera_operator.api import InferenceClusterSpec
+from tessera_operator.fielderror import FieldError
+
+DEFAULT_MAX_PODS_PER_CLUSTER = 1024
+# Pod annotations that loosen the container's AppArmor or (legacy) seccomp confinement.
+CONFINEMENT_ANNOTATIONS = (
+    "container.apparmor.security.beta.kubernetes.io/",
+    "seccomp.security.alpha.kubernetes.io/",
+    "container.seccomp.security.alpha.kubernetes.io/",
+)
+
+
+@dataclass(frozen=True)
+class PodPolicy:
+    allow_host_path: bool = False
+    allow_secrets: bool = False
+    allowed_service_accounts: frozenset[str] = frozenset()
+    allowed_priority_classes: frozenset[str] = frozenset()
+    max_pods_per_cluster: int = DEFAULT_MAX_PODS_PER_CLUSTER
+
+
+def _not_allowed(what: str, flag: str) -> str:
+    return f"{what} is not allowed by the operator's configuration ({flag})"
+
+
+def check_pod_count(spec: InferenceClusterSpec, policy: PodPolicy) -> list[FieldError]:
+    """Pods at the peak: the most groups the spec or its autoscaler asks for, plus surge groups."""
+    group = spec.parallelism.tensor * spec.parallelism.pipeline
+    cap = policy.max_pods_per_cluster
+    autoscaled = spec.autoscaling.max_replicas if spec.autoscaling and spec.autoscaling.enabled else 0
+    surge = spec.rollout.max_surge
+    for field, groups in (
+        ("spec.replicas", spec.replicas),
+        ("spec.autoscaling.maxReplicas", autoscaled),
+        ("spec.rollout.maxSurge", max(spec.replicas, autoscaled) + surge),
+    ):
+        if groups * group > cap:
+            return [
+                FieldError(
+                    field,
+                    f"{groups} groups x {group} pods per group (tensor x pipeline) = {groups * group} pods, "
+                    f"more than the operator's cap of {cap} pods per cluster (--max-pods-per-cluster)",
+                )
+            ]
+    return []
+
+
+def _volume_errors(
+    index: int, volume: dict[str, Any], policy: PodPolicy, token_allowed: bool
+) -> list[FieldError]:
+    field = f"spec.template.volumes[{index}]"
+    errors = []
+    if "hostPath" in volume and not policy.allow_host_path:
+        errors.append(FieldError(f"{field}.hostPath", _not_allowed("a hostPath volume", "--allow-host-path")))
+    if "secret" in volume and not policy.allow_secrets:
+        errors.append(FieldError(f"{field}.secret", _not_allowed("a secret volume", "--allow-secrets")))
+    sources = (volume.get("projected") or {}).get("sources") or []
+    for j, source in enumerate(sources if isinstance(sources, list) else []):
+        where = f"{field}.projected.sources[{j}]"
+        if "secret" in source and not policy.allow_secrets:
+            errors.append(
+                FieldError(f"{where}.secret", _not_allowed("a projected Secret", "--allow-secrets"))
+            )
+        if "serviceAccountToken" in source and not token_allowed:
+            errors.append(
+                FieldError(
+                    f"{where}.serviceAccountToken",
+                    "rank pods get no API credentials unless spec.template.serviceAccountName names an "
+                    "allowed ServiceAccount (--allowed-service-accounts)",
+                )
+            )
+    return errors
+
+
+def check_pod_policy(spec: InferenceClusterSpec, policy: PodPolicy) -> list[FieldError]:
+    template = spec.template
+    errors = check_pod_count(spec, policy)
+    account = template.service_account_name
+    if account is not None and account not in policy.allowed_service_accounts:
+        errors.append(
+            FieldError(
+                "spec.template.serviceAccountName",
+                _not_allowed(f"ServiceAccount {account!r}", "--allowed-service-accounts"),
+            )
+        )
+    priority = template.priority_class_name
+    if priority is not None and priority not in policy.allowed_priority_classes:
+        errors.append(
+            FieldError(
+                "spec.template.priorityClassName",
+                _not_allowed(f"PriorityClass {priority!r}", "--allowed-priority-classes"),
+            )
+        )
+    for i, var in enumerate(template.env):
+        if var.value_from and "secretKeyRef" in var.value_from and not policy.allow_secrets:
+            errors.append(
+                FieldError(
+                    f"spec.template.env[{i}].valueFrom.secretKeyRef",
+                    _not_allowed("an environment variable from a Secret", "--allow-secrets"),
+                )
+            )
+    token_allowed = account is not None and account in policy.allowed_service_accounts
+    for i, volume in enumerate(template.volumes):
+        errors += _volume_errors(i, volume, policy, token_allowed)
+    for key in template.annotations:
+        if key.startswith(CONFINEMENT_ANNOTATIONS):
+            errors.append(
+                FieldError(
+                    f"spec.template.annotations[{key}]",
+                    "annotations that change AppArmor or seccomp confinement are not allowed",
+                )
+            )
+    return errors

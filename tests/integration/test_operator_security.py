@@ -1,0 +1,101 @@
+"""Hardening against the genuine API server: caps in the schema, and every refusal reported.
+
+The reconciler runs one pass in-process under the chart's RBAC identity, with no webhook,
+so whatever the API server or the rules refuse must show up as status and Events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import yaml
+
+from tessera_operator.kube import KubeClient
+from tessera_operator.reconcile import Reconciler
+from tests.integration.operator_harness import condition, ic, install_rbac, kjson, pods
+
+
+def apply(cluster: Any, ns: str, name: str, check: bool = True, **spec: Any) -> Any:
+    doc = {
+        "apiVersion": "tessera.dev/v1alpha1",
+        "kind": "InferenceCluster",
+        "metadata": {"name": name},
+        "spec": {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"tensor": 2}, **spec},
+    }
+    return cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc), check=check)
+
+
+def one_pass(kubeconfig: str, ns: str, name: str) -> float | None:
+    async def run() -> float | None:
+        client = KubeClient.from_environment(kubeconfig)
+        try:
+            return await Reconciler(client).reconcile(ns, name)
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def warning_events(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
+    items = kjson(cluster, "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}")[
+        "items"
+    ]
+    return [e for e in items if e["type"] == "Warning"]
+
+
+def test_the_schema_caps_replicas_also_through_the_scale_subresource(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    result = apply(cluster, ns, "huge", check=False, replicas=100_000)
+    assert result.returncode != 0 and "spec.replicas" in result.stderr, result.stderr
+    apply(cluster, ns, "small")
+    result = cluster.kubectl("scale", "ic", "small", "-n", ns, "--replicas=100000", check=False)
+    assert result.returncode != 0 and "spec.replicas" in result.stderr, result.stderr
+
+
+def test_one_pass_without_a_webhook_reports_what_it_cannot_act_on(crds: Any, k8s_namespace: str) -> None:
+    cluster, ns = crds, k8s_namespace
+    kubeconfig = install_rbac(cluster, ns, ns)
+
+    apply(cluster, ns, "overflow", engine={"kvCacheMemory": "1e400"})  # passes the schema's pattern
+    assert one_pass(kubeconfig, ns, "overflow") is None
+    degraded = condition(ic(cluster, ns, "overflow"), "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and "spec.engine.kvCacheMemory" in degraded["message"]
+    [event] = warning_events(cluster, ns, "overflow")
+    assert event["reason"] == "InvalidSpec" and "spec.engine.kvCacheMemory" in event["message"]
+
+    # A toleration is passed through as is: the API server refuses every pod with a 422.
+    apply(cluster, ns, "refused", template={"tolerations": [{"key": "a", "operator": "Sometimes"}]})
+    one_pass(kubeconfig, ns, "refused")
+    one_pass(kubeconfig, ns, "refused")
+    degraded = condition(ic(cluster, ns, "refused"), "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "FailedCreate", degraded
+    assert "spec.tolerations[0].operator" in degraded["message"] and "422" in degraded["message"]
+    [event] = warning_events(cluster, ns, "refused")  # one Event, not one per pass
+    assert event["reason"] == "FailedCreate" and "spec.tolerations[0].operator" in event["message"]
+    assert not [p for p in pods(cluster, ns) if p["metadata"]["name"].startswith("refused-")]
+
+    apply(cluster, ns, "fine")
+    one_pass(kubeconfig, ns, "fine")
+    created = [p for p in pods(cluster, ns) if p["metadata"]["name"].startswith("fine-")]
+    assert len(created) == 2 and condition(ic(cluster, ns, "fine"), "Degraded")["status"] == "False"
+    for pod in created:  # the API server's ServiceAccount admission added no token volume
+        spec = pod["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        assert not [v for v in spec["volumes"] if "secret" in v or "projected" in v], spec["volumes"]
+        assert all("serviceaccount" not in m["mountPath"] for m in spec["containers"][0]["volumeMounts"])
+        assert spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+    # An exhausted ResourceQuota: the API server answers 403, the object says so.
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "pods"},
+        "spec": {"hard": {"pods": "2"}},
+    }
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(quota))
+    apply(cluster, ns, "over-quota")
+    one_pass(kubeconfig, ns, "over-quota")
+    degraded = condition(ic(cluster, ns, "over-quota"), "Degraded")
+    assert degraded["reason"] == "FailedCreate" and "403" in degraded["message"], degraded
+    assert "quota" in degraded["message"], degraded
