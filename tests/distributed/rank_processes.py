@@ -1,0 +1,100 @@
+"""Run a replica group's pods as plain processes on loopback, exactly as the operator builds them.
+
+Each pod's command, arguments and environment come from the operator's own pod builder; only
+what a pod network would provide differs: the leader's address is 127.0.0.1 and every port is
+a free loopback port (several groups share this machine), and the pod's writable paths (cache,
+/tmp) stay this machine's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tessera_operator import builders
+from tessera_operator.api import InferenceClusterSpec
+from tests.serving.server import free_port
+
+# The pod's volumes (emptyDirs at /cache and /tmp) do not exist on the host.
+HOST_PATH_ENV = ("TESSERA_CACHE", "TMPDIR", "HOME")
+
+
+def rank_pod_processes(
+    spec: InferenceClusterSpec, log_dir: Path
+) -> tuple[list[subprocess.Popen[bytes]], int]:
+    """Start group 0's pods (leader first); returns the processes and the leader's HTTP port."""
+    ref = builders.ClusterRef("demo", "ns", "uid-1")
+    pods = builders.build_group(ref, spec, builders.revision_of(spec), 0)
+    ports = {
+        "TESSERA_DIST_PORT": free_port(),
+        "TESSERA_RPC_PORT": free_port(),
+        "TESSERA_API_PORT": free_port(),
+    }
+    loopback = {
+        "TESSERA_LEADER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(ports["TESSERA_DIST_PORT"]),
+        "GLOO_SOCKET_IFNAME": "lo",
+        **{name: str(port) for name, port in ports.items()},
+    }
+    procs = []
+    for pod in pods:
+        container = pod["spec"]["containers"][0]
+        env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
+        for name in HOST_PATH_ENV:
+            env.pop(name, None)
+        env = {**os.environ, **env, **loopback, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env.pop("TESSERA_API_KEY", None)
+        args = [
+            ports["TESSERA_API_PORT"] if a == str(builders.DEFAULT_API_PORT) else a for a in container["args"]
+        ]
+        args = ["127.0.0.1" if a == "0.0.0.0" else str(a) for a in args]
+        assert container["command"][0] == "tessera"
+        command = [sys.executable, "-m", "tessera.cli", *container["command"][1:], *args]
+        log = (log_dir / f"{pod['metadata']['name']}.log").open("wb")
+        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs, ports["TESSERA_API_PORT"]
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            children.append(int(entry.name))
+    return children
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def wait_all_exit(procs: list[Any], timeout_s: float) -> dict[int, int | None]:
+    """Exit status of each Popen after at most ``timeout_s`` (None: still running)."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    return {proc.pid: proc.poll() for proc in procs}
+
+
+def kill_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,65 @@
+"""A leader pod (`tessera serve`) and worker pods (`tessera worker`) started from nothing but what
+the operator's pod builder writes serve the `openai` client with single-rank greedy output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tessera import LLM, SamplingParams
+from tessera_operator.api import InferenceClusterSpec
+from tests.distributed.rank_processes import kill_all, rank_pod_processes, wait_all_exit
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "Tensor parallelism splits"]
+
+
+def wait_healthy(port: int, procs: list, timeout_s: float = 300) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [p.args for p in procs if p.poll() is not None]
+        assert not dead, f"a pod process exited during startup: {dead}"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the leader never became healthy")
+
+
+@pytest.mark.slow
+def test_operator_built_pods_serve_the_openai_client(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    spec = InferenceClusterSpec.model_validate(
+        {
+            "model": {"source": str(tiny_llama_dir), "servedName": "tiny", "maxModelLen": 256},
+            "parallelism": {"tensor": 2, "pipeline": 2, "sequenceParallel": True},
+            "engine": {"kvCacheMemory": "8Mi", "maxNumSeqs": 8},
+        }
+    )
+    reference = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    )
+    procs, port = rank_pod_processes(spec, tmp_path)
+    try:
+        wait_healthy(port, procs)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        response = client.completions.create(
+            model="tiny", prompt=PROMPTS, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        texts = [choice.text for choice in sorted(response.choices, key=lambda c: c.index)]
+        assert texts == [r.outputs[0].text for r in reference]
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8
+        )
+        assert chat.choices[0].message.content
+        # A clean stop of the leader stops every rank.
+        procs[0].terminate()
+        statuses = wait_all_exit(procs, 30)
+        assert None not in statuses.values(), f"ranks still running 30 s after the leader stopped: {statuses}"
+    finally:
+        kill_all(procs)
