@@ -8,6 +8,7 @@ a free loopback port (several groups share this machine), and the pod's writable
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -86,10 +87,8 @@ def wait_all_exit(procs: list[Any], timeout_s: float) -> dict[int, int | None]:
     """Exit status of each Popen after at most ``timeout_s`` (None: still running)."""
     deadline = time.monotonic() + timeout_s
     for proc in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
     return {proc.pid: proc.poll() for proc in procs}
 
 

@@ -3,6 +3,7 @@ the operator's pod builder writes serve the `openai` client with single-rank gre
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -17,8 +18,6 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "Tensor parallelism splits
 
 
 def wait_healthy(port: int, procs: list, timeout_s: float = 300) -> None:
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         dead = [p.args for p in procs if p.poll() is not None]
