@@ -1,0 +1,36 @@
+"""The CUDA/NCCL path: selected by device, exercised where GPUs exist, skipped (with the reason) here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tessera import SamplingParams
+from tessera.config import EngineConfig
+from tessera.distributed.parallel_state import backend_for
+from tessera.worker.worker import select_device
+from tests.distributed.equivalence import Workload, compare, run, token_prompts
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def test_the_device_picks_the_backend_and_the_local_rank_picks_the_gpu() -> None:
+    assert backend_for(torch.device("cuda", 1)) == "nccl"
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert select_device(EngineConfig(model="m", device="cuda"), local_rank=3) == torch.device("cuda", 3)
+    assert select_device(EngineConfig(model="m", device="cpu"), local_rank=3) == torch.device("cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices for NCCL between ranks; this machine has {GPUS}")
+def test_tensor_and_pipeline_parallel_on_gpus_match_one_gpu(tiny_llama_dir: Path) -> None:
+    workload = Workload(
+        prompts=token_prompts(6, vocab=512, min_len=3, max_len=40),
+        params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
+        engine_args={"device": "cuda", "dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128},
+    )
+    reference = run(str(tiny_llama_dir), workload)
+    for layout in ({"tensor_parallel_size": 2, "sequence_parallel": True}, {"pipeline_parallel_size": 2}):
+        compare(reference.outputs, run(str(tiny_llama_dir), workload, **layout).outputs, str(layout))
