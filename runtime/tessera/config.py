@@ -29,6 +29,9 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads per rank process")
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
+    max_batches_in_flight: int | None = Field(
+        None, ge=1, description="batches the engine keeps in flight (default: one per pipeline stage)"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -38,7 +38,7 @@ class EngineCore:
         self.max_model_len = self.executor.max_model_len
         self.num_kv_blocks = self.executor.num_kv_blocks
         self.block_size = config.block_size
-        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.max_concurrent_batches = config.max_batches_in_flight or self.executor.max_concurrent_batches
         self.scheduler = Scheduler(
             config, self.num_kv_blocks, self.max_model_len, pipeline_depth=self.max_concurrent_batches
         )

@@ -1,0 +1,191 @@
+"""Multi-rank throughput: pipeline parallelism with batches in flight, and tensor parallelism.
+
+One torch thread per rank process, a decode-heavy workload (64 concurrent requests of 32 prompt
+and 128 output tokens, EOS ignored, greedy) on SmolLM2-135M-Instruct in fp32, all in one run:
+
+- PP=1 (one rank, in the engine core's process);
+- PP=2 with one batch at a time (``max_batches_in_flight=1``: the stages take turns);
+- PP=2 with two batches in flight (the default: both stages busy);
+- TP=1 vs TP=2, on a random-weight model of SmolLM2's shape with 12 query / 4 KV heads of 48
+  (SmolLM2's 9 heads do not split over 2 ranks; FLOPs and memory traffic are the same).
+
+For each multi-rank setting it records every rank's time in collectives and in stage-to-stage
+transfers (which includes waiting for the previous stage) against its time in steps. On 2 cores
+PP=2 can reach at most 2x PP=1.
+
+Run: ``.venv/bin/python benchmarks/distributed_throughput.py [--quick]``.
+Writes ``benchmarks/results/distributed_throughput.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from typing import Any
+
+from common import environment_info, new_figure, save_figure, write_json
+
+MODEL = "smollm2-135m-instruct"
+TARGET_PP_SPEEDUP = 1.8
+
+# (name, model, layout): TP=2 needs heads that split over 2 ranks.
+SETTINGS: list[tuple[str, str, dict[str, Any]]] = [
+    ("PP=1", MODEL, {}),
+    ("PP=2, one batch at a time", MODEL, {"pipeline_parallel_size": 2, "max_batches_in_flight": 1}),
+    ("PP=2, batches in flight", MODEL, {"pipeline_parallel_size": 2}),
+    ("TP=1 (12 heads)", "even-heads", {}),
+    ("TP=2 (12 heads)", "even-heads", {"tensor_parallel_size": 2}),
+]
+
+
+def even_heads_model() -> str:
+    """SmolLM2's shape with 12 query and 4 KV heads of 48, random weights, cached beside the model."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from tessera.models.registry import resolve_model
+
+    source = resolve_model(MODEL)
+    target = source.parent / f"{source.name}-12-heads"
+    if (target / "config.json").exists():
+        return str(target)
+    config = AutoConfig.from_pretrained(source)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 12, 4, 48
+    torch.manual_seed(0)
+    tmp = target.with_name(target.name + ".tmp")
+    LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, tmp / name)
+    tmp.rename(target)
+    return str(target)
+
+
+def workload(num_requests: int, prompt_len: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(prompt_len)]}
+        for _ in range(num_requests)
+    ]
+
+
+def measure(layout: dict[str, Any], prompts: list[Any], output_len: int) -> dict[str, Any]:
+    from tessera import LLM, SamplingParams
+
+    llm = LLM(
+        MODEL, num_threads=1, max_num_seqs=len(prompts), max_model_len=512, kv_cache_memory=1 << 30, **layout
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    try:
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm up
+        executor = llm.engine.executor
+        executor.collective_rpc("reset_comm_stats")
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - started
+        ranks = executor.collective_rpc("comm_stats") if llm.config.world_size > 1 else []
+    finally:
+        llm.engine.shutdown()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for rank in ranks:
+        busy = rank["step_seconds"] or 1e-9
+        rank["collective_share"] = rank["collective_seconds"] / busy
+        rank["p2p_share"] = rank["p2p_seconds"] / busy
+        rank["step_share_of_wall"] = rank["step_seconds"] / seconds
+    return {
+        "layout": layout,
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / seconds,
+        "ranks": ranks,
+        "token_ids": [o.outputs[0].token_ids for o in outputs],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="16 requests of 32 tokens: a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_requests, args.output_len = 16, 32
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    prompts = workload(args.num_requests, args.prompt_len)
+    results = {}
+    for name, model, layout in SETTINGS:
+        results[name] = measure(
+            even_heads_model() if model == "even-heads" else model, layout, prompts, args.output_len
+        )
+        print(f"{name:28s} {results[name]['output_tokens_per_s']:7.1f} output tok/s", flush=True)
+    for name, result in results.items():
+        base = results["TP=1 (12 heads)" if "12 heads" in name else "PP=1"]
+        result["speedup_vs_single_rank"] = result["output_tokens_per_s"] / base["output_tokens_per_s"]
+        result["same_tokens_as_single_rank"] = result["token_ids"] == base["token_ids"]
+    for result in results.values():
+        result.pop("token_ids")
+    in_flight = results["PP=2, batches in flight"]["speedup_vs_single_rank"]
+    data = {
+        "benchmark": "distributed_throughput",
+        "model": MODEL,
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "threads_per_rank": 1,
+        },
+        "environment": environment_info(),
+        "results": results,
+        "pp2_in_flight_speedup": in_flight,
+        "target_pp2_speedup": TARGET_PP_SPEEDUP,
+        "meets_target": in_flight >= TARGET_PP_SPEEDUP,
+    }
+    print(f"PP=2 with batches in flight: {in_flight:.2f}x PP=1 (target {TARGET_PP_SPEEDUP}x)")
+    write_json("distributed_throughput", data)
+    plot(results)
+
+
+def plot(results: dict[str, dict[str, Any]]) -> None:
+    figure, (left, right) = new_figure(ncols=2, width=12)
+    names = list(results)
+    left.bar(range(len(names)), [results[n]["output_tokens_per_s"] for n in names], color="#4c72b0")
+    left.set_xticks(range(len(names)), [n.replace(", ", "\n") for n in names], fontsize=8)
+    left.set_ylabel("output tokens / s (one thread per rank)")
+    for i, name in enumerate(names):
+        left.text(
+            i,
+            results[name]["output_tokens_per_s"],
+            f"{results[name]['speedup_vs_single_rank']:.2f}x",
+            ha="center",
+        )
+    rows = [
+        (f"{n.split(',')[0]}{' inflight' if 'flight' in n else ''} r{r['rank']}", r)
+        for n in names
+        for r in results[n]["ranks"]
+    ]
+    right.barh(
+        range(len(rows)), [r["collective_share"] for _, r in rows], color="#dd8452", label="collectives"
+    )
+    right.barh(
+        range(len(rows)),
+        [r["p2p_share"] for _, r in rows],
+        left=[r["collective_share"] for _, r in rows],
+        color="#55a868",
+        label="stage transfers (incl. waiting)",
+    )
+    right.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
+    right.set_xlabel("share of the rank's step time")
+    right.legend(fontsize=8)
+    figure.suptitle("Tessera multi-rank throughput, SmolLM2-135M fp32")
+    save_figure("distributed_throughput", figure)
+
+
+if __name__ == "__main__":
+    main()
