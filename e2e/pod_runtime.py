@@ -199,8 +199,8 @@ class PodRuntime:
         now = time.monotonic()
         for container in self.containers:
             process = container.process
-            if process is not None and process.returncode is None and process.poll() is not None:
-                self._on_exit(container, process.returncode, now)
+            if process is not None and (returncode := process.poll()) is not None:
+                self._on_exit(container, returncode, now)
             if container.process is None and container.terminated is None and now >= container.next_start:
                 if container.last_terminated is not None:
                     container.restart_count += 1

@@ -182,7 +182,11 @@ def _remove_netns_etc(netns: str) -> None:
 
 
 def _agent_netns(prefix: str) -> list[str]:
-    return [line.split()[0] for line in ip("netns", "list", check=False).splitlines() if line.startswith(f"{prefix}-")]
+    return [
+        line.split()[0]
+        for line in ip("netns", "list", check=False).splitlines()
+        if line.startswith(f"{prefix}-")
+    ]
 
 
 def _agent_links(prefix: str) -> list[str]:
