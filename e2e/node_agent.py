@@ -59,9 +59,11 @@ class NodeAgent:
                     await self._register_nodes()
                     last_heartbeat = now
                 try:
-                    await self._sync_pods()
+                    listed = (await self.api.get("/api/v1/pods"))["items"]
+                    await self._sync_pods(listed)
                     if now - last_dns > DNS_REFRESH_SECONDS:
-                        await self._refresh_dns()
+                        endpoints = (await self.api.get("/api/v1/endpoints"))["items"]
+                        self.dns.records = build_records(endpoints, listed)
                         last_dns = now
                 except httpx.HTTPError:
                     log.exception("sync failed; retrying")  # the apiserver restarting, say
@@ -87,8 +89,7 @@ class NodeAgent:
                 content_type="application/strategic-merge-patch+json",
             )
 
-    async def _sync_pods(self) -> None:
-        listed = (await self.api.get("/api/v1/pods"))["items"]
+    async def _sync_pods(self, listed: list[dict[str, Any]]) -> None:
         mine = {p["metadata"]["uid"]: p for p in listed if p["spec"].get("nodeName") in self.nodes}
         for uid, pod in mine.items():
             if pod["metadata"].get("deletionTimestamp"):
@@ -135,11 +136,6 @@ class NodeAgent:
                 "DELETE", f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}", body
             )
         self._deleting.pop(meta["uid"], None)
-
-    async def _refresh_dns(self) -> None:
-        endpoints = (await self.api.get("/api/v1/endpoints"))["items"]
-        pods = (await self.api.get("/api/v1/pods"))["items"]
-        self.dns.records = build_records(endpoints, pods)
 
     async def _shutdown(self) -> None:
         for task in self._deleting.values():

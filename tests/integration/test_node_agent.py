@@ -142,10 +142,17 @@ def test_a_pod_gets_ready_and_is_reachable_by_its_dns_names_and_through_the_prox
     # A second pod, same port numbers, reaches the first by every name a pod would use.
     client_code = textwrap.dedent(
         """
-        import socket, urllib.request
+        import socket, time, urllib.request
         for url in ["http://web-0.web:8080/", "http://web:8080/", "http://web-svc:8080/",
                     "http://web-svc.{ns}.svc.cluster.local:8080/"]:
-            assert urllib.request.urlopen(url, timeout=10).read() == b"hello from web-0\\n", url
+            body = b""
+            for attempt in range(50):  # the DNS follows the Endpoints within a second or two
+                try:
+                    body = urllib.request.urlopen(url, timeout=10).read()
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            assert body == b"hello from web-0\\n", url
         print("hostname", socket.gethostname(), "resolves", socket.gethostbyname(socket.gethostname()))
         """
     ).format(ns=ns)
