@@ -151,7 +151,7 @@ class PodRuntime:
         argv = container_argv(container.spec, container.env)
         cwd = container.spec.get("workingDir") or str(self.dir)
         Path(cwd).mkdir(parents=True, exist_ok=True)
-        sandbox_exec = ["ip", "netns", "exec", self.sandbox.netns, "unshare", "--uts", "--"]
+        sandbox_exec = [podnet.IP, "netns", "exec", self.sandbox.netns, "unshare", "--uts", "--"]
         log = open(self.dir / f"{container.name}.log", "ab")  # noqa: SIM115 (the child holds it)
         with log:
             container.process = subprocess.Popen(
@@ -258,7 +258,7 @@ class PodRuntime:
                 return True
             if "exec" in spec:
                 process = await asyncio.create_subprocess_exec(
-                    "ip", "netns", "exec", self.sandbox.netns, *spec["exec"]["command"],
+                    podnet.IP, "netns", "exec", self.sandbox.netns, *spec["exec"]["command"],
                     env=container.env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
                     start_new_session=True,
                 )  # fmt: skip

@@ -30,8 +30,11 @@ CLUSTER_DOMAIN = "cluster.local"
 FREE_RANGE_CANDIDATES = range(200, 250)
 
 
+IP = shutil.which("ip") or "/usr/sbin/ip"  # pods' own PATH must not decide which `ip` runs
+
+
 def ip(*args: str, check: bool = True) -> str:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    result = subprocess.run([IP, *args], capture_output=True, text=True)
     if check and result.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
     return result.stdout
