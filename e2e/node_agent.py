@@ -102,7 +102,7 @@ class NodeAgent:
             await self.pods.pop(uid).stop(0)
         for runtime in list(self.pods.values()):
             if runtime.uid not in self._deleting:
-                runtime.tick()
+                await runtime.tick()
                 await runtime.report()
 
     async def _start_pod(self, pod: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from e2e.kube_api import KubeApi
 BACKOFF_INITIAL_SECONDS = 1.0  # the kubelet starts at 10 s; tests should not wait that long
 BACKOFF_MAX_SECONDS = 20.0
 DEFAULT_GRACE_SECONDS = 30
+CONFIG_RETRY_SECONDS = 2.0
 _SET_HOSTNAME_AND_EXEC = 'hostname "$0" && exec "$@"'
 
 
@@ -109,6 +110,7 @@ class PodRuntime:
         self.sandbox: podnet.PodSandbox | None = None
         self.start_time = now_rfc3339()
         self.config_error = ""
+        self._config_retry_at = 0.0
         self.stopping = False
         self._transitions: dict[str, tuple[str, str]] = {}
         self._last_status: dict[str, Any] | None = None
@@ -129,7 +131,17 @@ class PodRuntime:
         self.sandbox = self.network.create_sandbox(
             self.node_index, self.name, self.namespace, hostname, fqdn, aliases
         )
+        for container in self.containers:
+            if container.spec.get("readinessProbe"):
+                container.readiness = Probe(container.spec["readinessProbe"])
+        await self._configure_and_spawn()
+
+    async def _configure_and_spawn(self) -> None:
+        """Resolves every container's environment, then starts them all (none if one cannot start:
+        a missing ConfigMap, say, is retried until it appears, as the kubelet does)."""
+        assert self.sandbox is not None
         status_for_env = {**self.pod, "status": {"podIP": self.sandbox.address, "hostIP": self.host_ip}}
+        self.config_error = ""
         for container in self.containers:
             try:
                 container.env = await container_env(self.api, status_for_env, container.spec)
@@ -137,12 +149,9 @@ class PodRuntime:
             except ContainerConfigError as error:
                 container.waiting = ("CreateContainerConfigError", str(error))
                 self.config_error = str(error)
-            if container.spec.get("readinessProbe"):
-                probe = container.spec["readinessProbe"]
-                container.readiness = Probe(
-                    probe, next_at=time.monotonic() + probe.get("initialDelaySeconds", 0)
-                )
-        if not self.config_error:
+        if self.config_error:
+            self._config_retry_at = time.monotonic() + CONFIG_RETRY_SECONDS
+        else:
             for container in self.containers:
                 self._spawn(container)
 
@@ -192,11 +201,13 @@ class PodRuntime:
 
     # --- the sync loop ------------------------------------------------------------------------
 
-    def tick(self) -> None:
+    async def tick(self) -> None:
         """Reaps exited containers, restarts them as the policy says, schedules readiness probes."""
+        now = time.monotonic()
+        if self.config_error and self.sandbox is not None and now >= self._config_retry_at:
+            await self._configure_and_spawn()
         if self.stopping or self.config_error:
             return
-        now = time.monotonic()
         for container in self.containers:
             process = container.process
             if process is not None and (returncode := process.poll()) is not None:
