@@ -6,8 +6,11 @@ a full client library would hide which requests they make.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import signal
 import ssl
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +68,22 @@ class KubeApi:
 
     async def merge_patch(self, path: str, body: Mapping[str, Any]) -> JSON:
         return await self.request("PATCH", path, body, content_type="application/merge-patch+json")
+
+
+def run_until_signalled(kubeconfig: str, serve: Callable[[KubeApi, asyncio.Event], Awaitable[None]]) -> None:
+    """The main of the agent's processes: logging, an API client, and SIGTERM/SIGINT setting `stop`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API request otherwise
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        api = KubeApi(kubeconfig)
+        try:
+            await serve(api, stop)
+        finally:
+            await api.close()
+
+    asyncio.run(main())

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 
 from e2e import podnet
-from e2e.kube_api import KubeApi
+from e2e.kube_api import KubeApi, run_until_signalled
 from e2e.node_objects import node_object, node_ready_status
 from e2e.pod_dns import DnsServer, build_records
 from e2e.pod_runtime import DEFAULT_GRACE_SECONDS, PodRuntime
@@ -154,18 +153,6 @@ def _grace(runtime: PodRuntime) -> float:
     return float(runtime.pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS))
 
 
-async def _main(args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    api = KubeApi(args.kubeconfig)
-    try:
-        await NodeAgent(api, args.node, Path(args.state_dir), args.agent_id).run(stop)
-    finally:
-        await api.close()
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m e2e.node_agent", description=__doc__)
     parser.add_argument("--kubeconfig", required=True)
@@ -173,8 +160,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--agent-id", required=True, help="short hex id: prefix of every netns and link")
     parser.add_argument("--node", action="append", required=True, help="a Node to register and serve")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_main(args))
+    run_until_signalled(
+        args.kubeconfig,
+        lambda api, stop: NodeAgent(api, args.node, Path(args.state_dir), args.agent_id).run(stop),
+    )
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ import argparse
 import asyncio
 import itertools
 import logging
-import signal
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from e2e.kube_api import KubeApi
+from e2e.kube_api import KubeApi, run_until_signalled
 
 ENDPOINTS_TTL_SECONDS = 1.0
 log = logging.getLogger("service-proxy")
@@ -92,18 +91,6 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()  # a reset on one side ends the other side too
 
 
-async def _main(args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    api = KubeApi(args.kubeconfig)
-    try:
-        await ServiceProxy(api, args.namespace, args.service, args.port).serve(args.listen, stop)
-    finally:
-        await api.close()
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m e2e.service_proxy", description=__doc__)
     parser.add_argument("--kubeconfig", required=True)
@@ -112,8 +99,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True, help="the Service's port")
     parser.add_argument("--listen", type=int, required=True, help="local port on 127.0.0.1")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_main(args))
+    run_until_signalled(
+        args.kubeconfig,
+        lambda api, stop: ServiceProxy(api, args.namespace, args.service, args.port).serve(args.listen, stop),
+    )
 
 
 if __name__ == "__main__":
