@@ -23,6 +23,13 @@ all_cached() {
   for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done
 }
 
+# The node agent gives every pod a network namespace with ip(8) (Debian's iproute2).
+if ! command -v ip >/dev/null 2>&1; then
+  log "installing iproute2 for the node agent's pod networking"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 ||
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; }
+fi
+
 if all_cached; then
   log "all binaries cached in $BIN"
   exit 0
