@@ -165,9 +165,11 @@ if ((${#MISSING_GO[@]})); then
   export GOROOT="$ROOT/usr/lib/go-1.19"
   export PATH="$GOROOT/bin:$ROOT/usr/bin:$PATH"
   export LD_LIBRARY_PATH="$ROOT/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export HOME="$WORK/home" GOCACHE="$GO_BUILD_CACHE" GOPATH="$WORK/gopath"
+  export HOME="$WORK/home" GOPATH="$WORK/gopath"
   export GOPROXY=off GOFLAGS=-mod=vendor CGO_ENABLED=0 GOTOOLCHAIN=local
-  mkdir -p "$HOME" "$GOCACHE"
+  # Kubernetes' build sets GOCACHE=_output/local/go/cache itself: point that at the kept cache.
+  mkdir -p "$HOME" "$GO_BUILD_CACHE" "$TREE/_output/local/go"
+  ln -sfn "$GO_BUILD_CACHE" "$TREE/_output/local/go/cache"
   WHAT="${MISSING_GO[*]/#/cmd/}"
   log "building ${MISSING_GO[*]} with $(go version) (several minutes when the build cache is cold)"
   make -C "$TREE" WHAT="$WHAT" GOLDFLAGS="-s -w"
