@@ -430,10 +430,12 @@ class LocalCluster:
 
     def _agent_nodes_ready(self) -> bool:
         nodes = self.api("GET", "/api/v1/nodes")["items"]
+        # Ready, and schedulable: the agent has lifted the not-ready taint.
         ready = {
             n["metadata"]["name"]
             for n in nodes
             if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+            and not n["spec"].get("taints")
         }
         return ready.issuperset(self.agent_nodes)
 

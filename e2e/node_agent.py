@@ -32,6 +32,7 @@ DNS_REFRESH_SECONDS = 1.0
 HEARTBEAT_SECONDS = 20.0
 # On shutdown every pod gets at most this grace: `down` must not wait for a 30 s default.
 SHUTDOWN_GRACE_SECONDS = 5.0
+CONDITION_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 log = logging.getLogger("node-agent")
 
 
@@ -87,6 +88,16 @@ class NodeAgent:
                 status,
                 content_type="application/strategic-merge-patch+json",
             )
+            await self._clear_condition_taints(name)
+
+    async def _clear_condition_taints(self, name: str) -> None:
+        """Removes the not-ready taint the API put on the new Node: with the node lifecycle
+        controller off (there is no cloud), the Ready condition alone would not lift it."""
+        node = await self.api.get(f"/api/v1/nodes/{name}")
+        taints = node["spec"].get("taints") or []
+        kept = [t for t in taints if t["key"] not in CONDITION_TAINTS]
+        if kept != taints:
+            await self.api.merge_patch(f"/api/v1/nodes/{name}", {"spec": {"taints": kept or None}})
 
     async def _sync_pods(self, listed: list[dict[str, Any]]) -> None:
         mine = {p["metadata"]["uid"]: p for p in listed if p["spec"].get("nodeName") in self.nodes}
