@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ def _decode(reply: bytes) -> tuple[int, list[str]]:
     return flags & 0xF, addresses
 
 
-ENDPOINTS = [
+ENDPOINTS: list[dict[str, Any]] = [
     {
         "metadata": {"name": "web", "namespace": "ns"},
         "subsets": [
@@ -38,7 +39,10 @@ ENDPOINTS = [
     },
     {"metadata": {"name": "empty", "namespace": "ns"}},
 ]
-PODS = [{"metadata": {"namespace": "ns"}, "status": {"podIP": "10.9.1.2"}}, {"metadata": {"namespace": "ns"}}]
+PODS: list[dict[str, Any]] = [
+    {"metadata": {"namespace": "ns"}, "status": {"podIP": "10.9.1.2"}},
+    {"metadata": {"namespace": "ns"}},
+]
 
 
 def test_records_follow_ready_endpoints_hostnames_and_pod_ips() -> None:
