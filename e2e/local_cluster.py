@@ -269,6 +269,10 @@ class LocalCluster:
         self._wait(f"the proxy on port {local_port}", time.monotonic() + 30, lambda: _accepts(local_port))
         return f"http://127.0.0.1:{local_port}"
 
+    def process_ids(self) -> dict[str, int]:
+        """The pid of every process this cluster started (control plane, agent, proxies)."""
+        return {name: proc.pid for name, proc in self._procs.items()}
+
     def container_log(self, namespace: str, pod: str, container: str) -> str:
         """What a container of a pod run by the node agent printed (no kubelet API: no `kubectl logs`)."""
         paths = sorted((self.workdir / "pods").glob(f"{namespace}_{pod}_*/{container}.log"))

@@ -257,7 +257,9 @@ class PodRuntime:
                 get = spec["httpGet"]
                 url = f"http://{get.get('host') or self.sandbox.address}:{self._port(get['port'], container)}"
                 headers = {h["name"]: h["value"] for h in get.get("httpHeaders") or []}
-                async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+                # From the node's own address, as a kubelet probes (pods see their node, not the bridge).
+                transport = httpx.AsyncHTTPTransport(local_address=self.host_ip)
+                async with httpx.AsyncClient(transport=transport, timeout=timeout, trust_env=False) as client:
                     response = await client.get(url + get.get("path", "/"), headers=headers)
                 return 200 <= response.status_code < 400
             if "tcpSocket" in spec:
@@ -302,10 +304,11 @@ class PodRuntime:
         else:
             phase = "Running"
         all_ready = all(c.ready for c in self.containers)
+        not_ready = "PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady"
         conditions = [
             self._condition("Initialized", True),
-            self._condition("Ready", all_ready),
-            self._condition("ContainersReady", all_ready),
+            self._condition("Ready", all_ready, not_ready),
+            self._condition("ContainersReady", all_ready, not_ready),
             self._condition("PodScheduled", True),
         ]
         status: dict[str, Any] = {
@@ -321,15 +324,15 @@ class PodRuntime:
             status["podIPs"] = [{"ip": self.sandbox.address}]
         return status
 
-    def _condition(self, kind: str, true: bool) -> dict[str, Any]:
+    def _condition(self, kind: str, true: bool, reason_if_false: str = "") -> dict[str, Any]:
         value = "True" if true else "False"
         previous = self._transitions.get(kind)
         if previous is None or previous[0] != value:
             self._transitions[kind] = (value, now_rfc3339())
         condition = {"type": kind, "status": value, "lastProbeTime": None}
         condition["lastTransitionTime"] = self._transitions[kind][1]
-        if kind in ("Ready", "ContainersReady") and not true:
-            condition["reason"] = "ContainersNotReady"
+        if reason_if_false and not true:
+            condition["reason"] = reason_if_false
         return condition
 
     def _container_status(self, container: Container) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import textwrap
 import time
@@ -283,7 +284,8 @@ def test_the_scheduler_places_pods_by_affinity_across_the_agent_nodes(
     assert len(set(spread_nodes)) == 3  # one per node: kube-scheduler read the hostname labels
 
 
-def test_stopping_the_cluster_leaves_nothing_behind(local_cluster_full: LocalCluster) -> None:
+@pytest.mark.parametrize("agent_end", ["graceful", "agent-killed"])
+def test_stopping_the_cluster_leaves_nothing_behind(local_cluster_full: LocalCluster, agent_end: str) -> None:
     # A cluster of its own (the session's keeps running); `local_cluster_full` only ensures the
     # binaries and the machine's support, and keeps the two control planes from starting at once.
     cluster = LocalCluster(node_name=None, nodes=["leftover-node-0", "leftover-node-1"]).start()
@@ -293,48 +295,16 @@ def test_stopping_the_cluster_leaves_nothing_behind(local_cluster_full: LocalClu
         )
         pids = eventually(lambda: _pod_pids(cluster, "default", "tree"), "the pod records its pids")
         cluster.expose("default", "nothing-here", 80)
-        processes = [p.pid for p in cluster._procs.values()]
+        processes = cluster.process_ids()
         assert podnet.agent_leftovers(cluster.agent_id)  # the check below can see what it looks for
+        if agent_end == "agent-killed":
+            # The agent cannot clean up after SIGKILL: stopping the cluster must still remove it all.
+            os.kill(processes["node-agent"], signal.SIGKILL)
     finally:
         cluster.stop()
 
     assert podnet.agent_leftovers(cluster.agent_id) == []  # namespaces, links, mounts, /etc/netns files
-    assert not [pid for pid in [*pids, *processes] if pid_alive(pid)]
+    assert not [pid for pid in [*pids, *processes.values()] if pid_alive(pid)]
     assert not cluster.workdir.exists()
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert str(cluster.workdir) not in ps and cluster.agent_id not in ps
-
-
-def test_containers_get_their_environment_arguments_and_working_directory(
-    local_cluster_full: LocalCluster, full_namespace: str, tmp_path: Path
-) -> None:
-    cluster, ns = local_cluster_full, full_namespace
-    env = [
-        {"name": "GREETING", "value": "hello"},
-        {"name": "MESSAGE", "value": "$(GREETING) world"},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "MODEL", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "model"}}},
-    ]
-    container = {
-        "args": ["echo $MESSAGE $POD_NAME $POD_IP $MODEL $EXTRA_size $(GREETING) $(pwd)"],
-        "env": env,
-        "envFrom": [{"configMapRef": {"name": "settings"}, "prefix": "EXTRA_"}],
-        "workingDir": str(tmp_path),
-    }
-    apply(cluster, ns, pod("env", ["sh", "-c"], restartPolicy="Never", container=container))
-    # The ConfigMap does not exist yet: the kubelet reports it and retries.
-    waiting = eventually(
-        lambda: get_pod(cluster, ns, "env")["status"].get("containerStatuses"),
-        "the pod reports its container",
-    )
-    assert waiting[0]["state"]["waiting"]["reason"] == "CreateContainerConfigError"
-    settings = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "settings"}}
-    apply(cluster, ns, {**settings, "data": {"model": "smollm2", "size": "135m"}})
-
-    done = eventually(lambda: phase_is(cluster, ns, "env", "Succeeded", "Failed"), "the pod finishes")
-    pod_ip = done["status"]["podIP"]
-    assert (
-        cluster.container_log(ns, "env", "main")
-        == f"hello world env {pod_ip} smollm2 135m hello {tmp_path}\n"
-    )
