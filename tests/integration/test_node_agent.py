@@ -284,6 +284,41 @@ def test_the_scheduler_places_pods_by_affinity_across_the_agent_nodes(
     assert len(set(spread_nodes)) == 3  # one per node: kube-scheduler read the hostname labels
 
 
+def test_containers_get_their_environment_arguments_and_working_directory(
+    local_cluster_full: LocalCluster, full_namespace: str, tmp_path: Path
+) -> None:
+    cluster, ns = local_cluster_full, full_namespace
+    env = [
+        {"name": "GREETING", "value": "hello"},
+        {"name": "MESSAGE", "value": "$(GREETING) world"},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "MODEL", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "model"}}},
+    ]
+    container = {
+        "args": ["echo $MESSAGE $POD_NAME $POD_IP $MODEL $EXTRA_size $(GREETING) $(pwd)"],
+        "env": env,
+        "envFrom": [{"configMapRef": {"name": "settings"}, "prefix": "EXTRA_"}],
+        "workingDir": str(tmp_path),
+    }
+    apply(cluster, ns, pod("env", ["sh", "-c"], restartPolicy="Never", container=container))
+    # The ConfigMap does not exist yet: the kubelet reports it and retries.
+    waiting = eventually(
+        lambda: get_pod(cluster, ns, "env")["status"].get("containerStatuses"),
+        "the pod reports its container",
+    )
+    assert waiting[0]["state"]["waiting"]["reason"] == "CreateContainerConfigError"
+    settings = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "settings"}}
+    apply(cluster, ns, {**settings, "data": {"model": "smollm2", "size": "135m"}})
+
+    done = eventually(lambda: phase_is(cluster, ns, "env", "Succeeded", "Failed"), "the pod finishes")
+    pod_ip = done["status"]["podIP"]
+    assert (
+        cluster.container_log(ns, "env", "main")
+        == f"hello world env {pod_ip} smollm2 135m hello {tmp_path}\n"
+    )
+
+
 @pytest.mark.parametrize("agent_end", ["graceful", "agent-killed"])
 def test_stopping_the_cluster_leaves_nothing_behind(local_cluster_full: LocalCluster, agent_end: str) -> None:
     # A cluster of its own (the session's keeps running); `local_cluster_full` only ensures the
