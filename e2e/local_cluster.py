@@ -1,8 +1,13 @@
 """A genuine Kubernetes control plane on loopback: etcd + kube-apiserver + kube-controller-manager.
 
-The binaries come from `e2e/install_k8s.sh` (cached outside the work tree). There is no kubelet and
-no scheduler: one fake Ready `Node` is registered so pods can be bound to it by name, and tests play
-the kubelet by writing `pods/status`. Run `python -m e2e.local_cluster up` for a cluster by hand.
+The binaries come from `e2e/install_k8s.sh` (cached outside the work tree). By default there is no
+kubelet and no scheduler: one fake Ready `Node` is registered so pods can be bound to it by name,
+and tests play the kubelet by writing `pods/status`. With `nodes=[...]` the cluster is complete:
+kube-scheduler places pods and the project's node agent (`e2e.node_agent`) runs them, each pod in
+a network namespace of its own; `expose()` gives a Service one stable URL on 127.0.0.1.
+
+    python -m e2e.local_cluster up [--nodes 3] [--expose NS/SERVICE:PORT=LOCALPORT]   # background
+    python -m e2e.local_cluster down
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ from typing import Any
 
 import yaml
 
+from e2e import podnet
+from e2e.node_objects import node_object, node_ready_status
 from e2e.pki import Pki, client_subject
 
 INSTALL_SCRIPT = Path(__file__).with_name("install_k8s.sh")
-BINARIES = ("kube-apiserver", "kube-controller-manager", "etcd", "kubectl", "helm")
+BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd", "kubectl", "helm")
 ADMIN_USER = "tessera-admin"
 # Static-token users with no groups: they can do nothing until RBAC binds them.
 DEFAULT_USERS = ("tessera-operator", "tessera-tenant")
@@ -73,10 +80,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def _signal_on_parent_death(sig: signal.Signals) -> None:
     # PR_SET_PDEATHSIG: the control plane never outlives a killed test run.
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
+
+
+def _die_with_parent() -> None:
+    _signal_on_parent_death(signal.SIGKILL)
+
+
+def _term_with_parent() -> None:
+    _signal_on_parent_death(signal.SIGTERM)
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 class KubectlError(subprocess.CalledProcessError):
@@ -92,13 +112,17 @@ class LocalCluster:
         bin_dir: Path | str | None = None,
         users: Sequence[str] = DEFAULT_USERS,
         node_name: str | None = DEFAULT_NODE,
+        nodes: Sequence[str] = (),
     ) -> None:
         self.bin_dir = Path(bin_dir) if bin_dir else default_bin_dir()
         self.users = tuple(users)
         self.node_name = node_name
+        self.agent_nodes = tuple(nodes)
+        self.agent_id = secrets.token_hex(3)
         self.admin_token = secrets.token_hex(16)
         self._tokens = {user: secrets.token_hex(16) for user in self.users}
         self._kcm_token = secrets.token_hex(16)
+        self._scheduler_token = secrets.token_hex(16)
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self.workdir = Path(tempfile.mkdtemp(prefix="tessera-k8s-"))
         self.port = free_port()
@@ -142,21 +166,29 @@ class LocalCluster:
             self._wait("the default ServiceAccount and its token", deadline, self._default_sa_ready)
             if self.node_name:
                 self.register_node(self.node_name)
+            if self.agent_nodes:
+                self._start_scheduler()
+                self._start_node_agent()
+                self._wait("the node agent's Nodes", deadline, self._agent_nodes_ready)
         except BaseException:
             self.stop()
             raise
         return self
 
     def stop(self) -> None:
-        for name in reversed(list(self._procs)):  # controller-manager, apiserver, then etcd
+        # Proxies, the node agent (it stops its pods and removes its network), the scheduler, the
+        # controller-manager, the apiserver, then etcd.
+        for name in reversed(list(self._procs)):
             proc = self._procs.pop(name)
             if proc.poll() is None:
                 proc.terminate()
                 try:
-                    proc.wait(timeout=10)
+                    proc.wait(timeout=30 if name == "node-agent" else 10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        if self.agent_nodes:
+            podnet.sweep(self.agent_id)  # whatever a killed agent could not remove
         shutil.rmtree(self.workdir, ignore_errors=True)
         shutil.rmtree(self._etcd_dir(), ignore_errors=True)
         atexit.unregister(self.stop)
@@ -217,40 +249,34 @@ class LocalCluster:
 
     def register_node(self, name: str, capacity: Mapping[str, str] | None = None) -> None:
         """A Node object with a Ready condition, so pods can be bound to it by `spec.nodeName`."""
-        capacity = dict(capacity or {"cpu": "8", "memory": "32Gi", "pods": "110", "nvidia.com/gpu": "0"})
-        node = {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": name,
-                "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux"},
-            },
-        }
-        self.api("POST", "/api/v1/nodes", node)
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        status = {
-            "status": {
-                "capacity": capacity,
-                "allocatable": capacity,
-                "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
-                "conditions": [
-                    {
-                        "type": "Ready",
-                        "status": "True",
-                        "reason": "KubeletReady",
-                        "message": "tessera local node (no kubelet: tests write pod status)",
-                        "lastHeartbeatTime": now,
-                        "lastTransitionTime": now,
-                    }
-                ],
-            }
-        }
+        self.api("POST", "/api/v1/nodes", node_object(name))
+        status = node_ready_status(
+            "127.0.0.1", "tessera local node (no kubelet: tests write pod status)", capacity
+        )
         self.api(
             "PATCH",
             f"/api/v1/nodes/{name}/status",
             status,
             content_type="application/strategic-merge-patch+json",
         )
+
+    def expose(self, namespace: str, service: str, port: int, local_port: int | None = None) -> str:
+        """Starts a proxy from 127.0.0.1 to the Service's ready endpoints; returns its base URL."""
+        local_port = local_port or free_port()
+        args = ["--kubeconfig", self.kubeconfig, "--namespace", namespace, "--service", service]
+        args += ["--port", str(port), "--listen", str(local_port)]
+        self._spawn(f"proxy-{namespace}-{service}-{port}", args, module="e2e.service_proxy")
+        self._wait(f"the proxy on port {local_port}", time.monotonic() + 30, lambda: _accepts(local_port))
+        return f"http://127.0.0.1:{local_port}"
+
+    def process_ids(self) -> dict[str, int]:
+        """The pid of every process this cluster started (control plane, agent, proxies)."""
+        return {name: proc.pid for name, proc in self._procs.items()}
+
+    def container_log(self, namespace: str, pod: str, container: str) -> str:
+        """What a container of a pod run by the node agent printed (no kubelet API: no `kubectl logs`)."""
+        paths = sorted((self.workdir / "pods").glob(f"{namespace}_{pod}_*/{container}.log"))
+        return paths[-1].read_text(errors="replace") if paths else ""
 
     def logs(self, name: str, tail: int = 40) -> str:
         path = self.workdir / f"{name}.log"
@@ -265,16 +291,19 @@ class LocalCluster:
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else self.workdir
         return base / f"{self.workdir.name}-etcd"
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], module: str | None = None) -> None:
+        """Starts a cached binary, or with `module` a Python module of this checkout."""
+        program = [sys.executable, "-m", module] if module else [str(self.bin_dir / name)]
         log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 (lives as long as the process)
         with log:
             self._procs[name] = subprocess.Popen(
-                [str(self.bin_dir / name), *args],
+                [*program, *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop them in order
-                preexec_fn=_die_with_parent,
+                # The node agent must get the chance to remove its network namespaces.
+                preexec_fn=_term_with_parent if module else _die_with_parent,
             )
 
     def _start_etcd(self) -> None:
@@ -338,10 +367,24 @@ class LocalCluster:
             ],
         )
 
+    def _start_scheduler(self) -> None:
+        kubeconfig = str(self.workdir / "scheduler.kubeconfig")
+        self._write_kubeconfig(kubeconfig, "system:kube-scheduler", {"token": self._scheduler_token})
+        self._spawn(
+            "kube-scheduler",
+            [f"--kubeconfig={kubeconfig}", "--leader-elect=false", "--port=0", "--secure-port=0", "--v=1"],
+        )
+
+    def _start_node_agent(self) -> None:
+        args = ["--kubeconfig", self.kubeconfig, "--state-dir", str(self.workdir / "pods")]
+        args += ["--agent-id", self.agent_id, *(f"--node={node}" for node in self.agent_nodes)]
+        self._spawn("node-agent", args, module="e2e.node_agent")
+
     def _write_tokens(self) -> None:
         rows = [
             f'{self.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"',
             f"{self._kcm_token},system:kube-controller-manager,system:kube-controller-manager",
+            f"{self._scheduler_token},system:kube-scheduler,system:kube-scheduler",
             *(f"{token},{user},{user}" for user, token in self._tokens.items()),
         ]
         path = self.workdir / "tokens.csv"
@@ -389,6 +432,17 @@ class LocalCluster:
         except (urllib.error.URLError, OSError):
             return False
 
+    def _agent_nodes_ready(self) -> bool:
+        nodes = self.api("GET", "/api/v1/nodes")["items"]
+        # Ready, and schedulable: the agent has lifted the not-ready taint.
+        ready = {
+            n["metadata"]["name"]
+            for n in nodes
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+            and not n["spec"].get("taints")
+        }
+        return ready.issuperset(self.agent_nodes)
+
     def _default_sa_ready(self) -> bool:
         return self.service_account_ready("default")
 
@@ -403,23 +457,118 @@ class LocalCluster:
         return bool(sa.get("secrets"))
 
 
-def _cli(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m e2e.local_cluster", description=__doc__)
-    parser.add_argument("command", choices=["up"], help="start a cluster in the foreground; Ctrl-C stops it")
-    parser.parse_args(argv)
+def _pointer_file() -> Path:
+    """Where a background cluster records itself, so `down` finds it (removed by `down`)."""
+    return default_bin_dir().parents[1] / "local-cluster.json"
+
+
+def _parse_expose(text: str) -> tuple[str, str, int, int | None]:
+    """NS/SERVICE:PORT[=LOCALPORT]"""
+    match = re.fullmatch(r"([a-z0-9-]+)/([a-z0-9-]+):(\d+)(?:=(\d+))?", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected NS/SERVICE:PORT[=LOCALPORT], got {text!r}")
+    namespace, service, port, local = match.groups()
+    return namespace, service, int(port), int(local) if local else None
+
+
+def _run_in_foreground(args: argparse.Namespace) -> int:
     if not binaries_installed():
         install_binaries()
     started = time.monotonic()
-    with LocalCluster() as cluster:
+    nodes = [f"tessera-node-{i}" for i in range(args.nodes)]
+    with LocalCluster(node_name=None if nodes else DEFAULT_NODE, nodes=nodes) as cluster:
+        urls = {
+            f"{ns}/{svc}:{port}": cluster.expose(ns, svc, port, local) for ns, svc, port, local in args.expose
+        }
+        info = {"pid": os.getpid(), "state": str(cluster.workdir), "kubeconfig": cluster.kubeconfig}
+        info |= {"api": cluster.api_url, "bin": str(cluster.bin_dir), "nodes": nodes, "services": urls}
+        if args.record:
+            _pointer_file().write_text(json.dumps(info))
         print(f"cluster ready in {time.monotonic() - started:.1f}s at {cluster.api_url}", flush=True)
+        print(f"state folder: {cluster.workdir}", flush=True)
         print(f"export KUBECONFIG={cluster.kubeconfig}", flush=True)
         print(f"export PATH={cluster.bin_dir}:$PATH", flush=True)
-        print("Ctrl-C stops the cluster.", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-            while True:
-                time.sleep(3600)
+        for service, url in urls.items():
+            print(f"{service} -> {url}", flush=True)
+        stopped = False
+
+        def on_term(*_: object) -> None:
+            nonlocal stopped
+            stopped = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                while not stopped:
+                    time.sleep(0.5)
+        finally:
+            if args.record:
+                _pointer_file().unlink(missing_ok=True)
     return 0
+
+
+def _up_in_background(argv: Sequence[str]) -> int:
+    pointer = _pointer_file()
+    if pointer.exists():
+        print(f"a cluster is already up ({pointer}); run `python -m e2e.local_cluster down` first")
+        return 1
+    if not binaries_installed():
+        install_binaries()
+    log_path = Path(tempfile.gettempdir()) / f"tessera-local-cluster-{os.getpid()}.log"
+    with open(log_path, "wb") as log:
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "e2e.local_cluster", "up", "--foreground", "--record", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # outlives this command
+        )
+    while not pointer.exists():
+        if supervisor.poll() is not None:
+            print(log_path.read_text(errors="replace"))
+            return 1
+        time.sleep(0.3)
+    print(log_path.read_text(errors="replace"), end="")
+    log_path.unlink()
+    print("`python -m e2e.local_cluster down` stops everything.")
+    return 0
+
+
+def _down() -> int:
+    pointer = _pointer_file()
+    if not pointer.exists():
+        print("no cluster is up")
+        return 0
+    info = json.loads(pointer.read_text())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(info["pid"], signal.SIGTERM)
+        while Path(f"/proc/{info['pid']}").exists():
+            time.sleep(0.2)
+    pointer.unlink(missing_ok=True)
+    print(f"stopped; state folder {info['state']} removed")
+    return 0
+
+
+def _cli(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m e2e.local_cluster",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=["up", "down"])
+    parser.add_argument("--nodes", type=int, default=3, help="nodes run by the node agent (0: one fake node)")
+    parser.add_argument(
+        "--expose", type=_parse_expose, action="append", default=[], metavar="NS/SVC:PORT=LOCAL"
+    )
+    parser.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the cluster")
+    parser.add_argument("--record", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.command == "down":
+        return _down()
+    if args.foreground:
+        return _run_in_foreground(args)
+    return _up_in_background([a for a in argv if a != "up"])
 
 
 if __name__ == "__main__":

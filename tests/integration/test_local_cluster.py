@@ -206,6 +206,10 @@ def test_client_binaries_are_the_cached_ones(k8s_cluster: LocalCluster) -> None:
         ["kubectl", "version", "--client", "--short"], env=k8s_cluster.env, capture_output=True, text=True
     )
     assert kubectl.returncode == 0 and "v1.20.2" in kubectl.stdout
+    scheduler = subprocess.run(
+        ["kube-scheduler", "--version"], env=k8s_cluster.env, capture_output=True, text=True
+    )
+    assert scheduler.returncode == 0 and "v1.20.2" in scheduler.stdout
     server = json.loads(k8s_cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]
     assert server["gitVersion"].startswith("v1.20.2")
 

@@ -1,0 +1,109 @@
+"""One stable local URL for a Service: 127.0.0.1:<port> forwards TCP to the Service's ready endpoints.
+
+Bytes are forwarded both ways untouched, so streaming HTTP responses (server-sent events) pass as
+they are produced. Each new connection picks the next ready address (round robin) from the
+Endpoints object, re-read at most every second, so the proxy follows pods as they come and go.
+
+    python -m e2e.service_proxy --kubeconfig K --namespace NS --service NAME --port 8000 --listen 18000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from e2e.kube_api import KubeApi, run_until_signalled
+
+ENDPOINTS_TTL_SECONDS = 1.0
+log = logging.getLogger("service-proxy")
+
+
+def ready_targets(
+    service: Mapping[str, Any], endpoints: Mapping[str, Any] | None, port: int
+) -> list[tuple[str, int]]:
+    """(ip, targetPort) of every ready address behind the Service's `port`."""
+    service_port = next((p for p in service["spec"].get("ports", []) if p["port"] == port), None)
+    if service_port is None:
+        raise ValueError(f"service {service['metadata']['name']!r} has no port {port}")
+    targets = []
+    for subset in (endpoints or {}).get("subsets") or []:
+        match = [p for p in subset.get("ports", []) if p.get("name", "") == service_port.get("name", "")]
+        if not match:
+            continue
+        targets += [(address["ip"], int(match[0]["port"])) for address in subset.get("addresses") or []]
+    return targets
+
+
+class ServiceProxy:
+    def __init__(self, api: KubeApi, namespace: str, service: str, port: int) -> None:
+        self.api = api
+        self.path = f"/api/v1/namespaces/{namespace}"
+        self.service = service
+        self.port = port
+        self._targets: list[tuple[str, int]] = []
+        self._read_at = 0.0
+        self._turn = itertools.count()
+
+    async def _current_targets(self) -> list[tuple[str, int]]:
+        if time.monotonic() - self._read_at > ENDPOINTS_TTL_SECONDS:
+            service = await self.api.get(f"{self.path}/services/{self.service}")
+            endpoints = await self.api.get_or_none(f"{self.path}/endpoints/{self.service}")
+            self._targets = ready_targets(service, endpoints, self.port)
+            self._read_at = time.monotonic()
+        return self._targets
+
+    async def handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        try:
+            targets = await self._current_targets()
+            if not targets:
+                log.warning("no ready endpoint behind %s:%d", self.service, self.port)
+                return
+            host, port = targets[next(self._turn) % len(targets)]
+            upstream_reader, upstream_writer = await asyncio.open_connection(host, port)
+        except Exception:
+            log.exception("cannot reach %s:%d", self.service, self.port)
+            client_writer.close()
+            return
+        await asyncio.gather(_pipe(client_reader, upstream_writer), _pipe(upstream_reader, client_writer))
+        for writer in (client_writer, upstream_writer):
+            writer.close()
+
+    async def serve(self, listen_port: int, stop: asyncio.Event) -> None:
+        server = await asyncio.start_server(self.handle, "127.0.0.1", listen_port)
+        log.info("127.0.0.1:%d -> service %s port %d", listen_port, self.service, self.port)
+        async with server:
+            await stop.wait()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()  # half-close: the other direction may still be streaming
+    except (ConnectionError, OSError):
+        writer.close()  # a reset on one side ends the other side too
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m e2e.service_proxy", description=__doc__)
+    parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--service", required=True)
+    parser.add_argument("--port", type=int, required=True, help="the Service's port")
+    parser.add_argument("--listen", type=int, required=True, help="local port on 127.0.0.1")
+    args = parser.parse_args(argv)
+    run_until_signalled(
+        args.kubeconfig,
+        lambda api, stop: ServiceProxy(api, args.namespace, args.service, args.port).serve(args.listen, stop),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Pure pieces of the node agent: DNS records and answers, $(VAR) expansion, endpoint selection."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import pytest
+
+from e2e.container_spec import ContainerConfigError, container_argv, expand
+from e2e.pod_dns import RCODE_NXDOMAIN, answer, build_records
+from e2e.service_proxy import ready_targets
+
+
+def _query(name: str, qtype: int = 1) -> bytes:
+    labels = b"".join(bytes([len(part)]) + part.encode() for part in name.split("."))
+    return struct.pack("!HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack("!HH", qtype, 1)
+
+
+def _decode(reply: bytes) -> tuple[int, list[str]]:
+    _id, flags, _qd, ancount, _ns, _ar = struct.unpack("!HHHHHH", reply[:12])
+    # Each answer is 16 bytes at the end: name pointer, type, class, TTL, length, 4 address bytes.
+    answers = reply[len(reply) - 16 * ancount :]
+    addresses = [socket.inet_ntoa(answers[16 * i + 12 : 16 * i + 16]) for i in range(ancount)]
+    return flags & 0xF, addresses
+
+
+ENDPOINTS: list[dict[str, Any]] = [
+    {
+        "metadata": {"name": "web", "namespace": "ns"},
+        "subsets": [
+            {
+                "addresses": [{"ip": "10.9.1.2", "hostname": "web-0"}, {"ip": "10.9.2.2"}],
+                "notReadyAddresses": [{"ip": "10.9.3.2"}],
+                "ports": [{"name": "http", "port": 8080}],
+            }
+        ],
+    },
+    {"metadata": {"name": "empty", "namespace": "ns"}},
+]
+PODS: list[dict[str, Any]] = [
+    {"metadata": {"namespace": "ns"}, "status": {"podIP": "10.9.1.2"}},
+    {"metadata": {"namespace": "ns"}},
+]
+
+
+def test_records_follow_ready_endpoints_hostnames_and_pod_ips() -> None:
+    records = build_records(ENDPOINTS, PODS)
+    assert records == {
+        "web.ns.svc.cluster.local": ["10.9.1.2", "10.9.2.2"],  # not-ready addresses left out
+        "web-0.web.ns.svc.cluster.local": ["10.9.1.2"],
+        "empty.ns.svc.cluster.local": [],
+        "10-9-1-2.ns.pod.cluster.local": ["10.9.1.2"],
+    }
+
+
+def test_answers_known_names_and_refuses_everything_outside_the_cluster() -> None:
+    records = build_records(ENDPOINTS, PODS)
+    assert _decode(answer(_query("WEB.ns.svc.cluster.local"), records) or b"") == (
+        0,
+        ["10.9.1.2", "10.9.2.2"],
+    )
+    # AAAA of a known name: no error, no address (glibc asks both at once).
+    assert _decode(answer(_query("web.ns.svc.cluster.local", qtype=28), records) or b"") == (0, [])
+    # A Service without ready endpoints exists, with no address.
+    assert _decode(answer(_query("empty.ns.svc.cluster.local"), records) or b"") == (0, [])
+    assert _decode(answer(_query("example.com"), records) or b"")[0] == RCODE_NXDOMAIN
+    assert answer(b"\x00\x01", records) is None  # garbage is dropped, not answered
+
+
+def test_var_references_expand_like_kubernetes() -> None:
+    env = {"PORT": "8000", "HOST": "web-0"}
+    assert expand("$(HOST):$(PORT)/$(MISSING)/$$(PORT)", env) == "web-0:8000/$(MISSING)/$(PORT)"
+    argv = container_argv({"name": "c", "command": ["tessera"], "args": ["serve", "--port", "$(PORT)"]}, env)
+    assert argv[0].endswith("/bin/tessera") and argv[1:] == ["serve", "--port", "8000"]
+    with pytest.raises(ContainerConfigError, match="no command"):
+        container_argv({"name": "c"}, env)
+
+
+def test_the_proxy_picks_ready_addresses_of_the_named_port() -> None:
+    service = {
+        "metadata": {"name": "web"},
+        "spec": {"ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    }
+    assert ready_targets(service, ENDPOINTS[0], 80) == [("10.9.1.2", 8080), ("10.9.2.2", 8080)]
+    assert ready_targets(service, None, 80) == []
+    with pytest.raises(ValueError, match="no port 81"):
+        ready_targets(service, ENDPOINTS[0], 81)
