@@ -16,7 +16,9 @@ def test_runner_failures_finish_only_those_requests_with_an_error() -> None:
     add(scheduler, "ok", 4, max_tokens=3)
     add(scheduler, "bad", 4, max_tokens=3)
     output = scheduler.schedule()
-    runner = ModelRunnerOutput(request_ids=["ok"], sampled_token_ids=[7], failed={"bad": "token ids out of range"})
+    runner = ModelRunnerOutput(
+        request_ids=["ok"], sampled_token_ids=[7], failed={"bad": "token ids out of range"}
+    )
     outs = {o.request_id: o for o in scheduler.update_from_output(output, runner)}
     assert outs["bad"].finish_reason == FINISH_ERROR
     assert outs["bad"].error == "token ids out of range"
@@ -27,7 +29,9 @@ def test_runner_failures_finish_only_those_requests_with_an_error() -> None:
     assert scheduler.kv.usage == 0.0
 
 
-def test_exception_in_one_requests_stop_handling_fails_only_that_request(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exception_in_one_requests_stop_handling_fails_only_that_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     scheduler = make_scheduler()
     add(scheduler, "ok", 4, max_tokens=2)
     add(scheduler, "victim", 4, max_tokens=2)
@@ -82,8 +86,9 @@ def test_wire_fields_of_the_wrong_type_are_rejected(field: str, value: object) -
 
 def test_resumed_request_longer_than_a_step_is_chunked_not_stuck() -> None:
     # Chunked prefill off: a prompt fits one step, but prompt + outputs after a preemption may not.
-    scheduler = make_scheduler(num_blocks=8, max_num_batched_tokens=12, enable_chunked_prefill=False,
-                               enable_prefix_caching=False)
+    scheduler = make_scheduler(
+        num_blocks=8, max_num_batched_tokens=12, enable_chunked_prefill=False, enable_prefix_caching=False
+    )
     request = add(scheduler, "a", 10, max_tokens=8)
     for _ in range(4):
         run_step(scheduler)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from tessera.engine.core import EngineCore
 from tessera.engine.core_client import SyncMPClient
 from tessera.engine.messages import FINISH_ERROR, EngineCoreOutput, EngineCoreRequest
 from tessera.sampling_params import SamplingParams
+from tessera.worker.sampler import SamplingMetadata
 
 VICTIM = "victim"
 
@@ -50,8 +52,11 @@ def client(tiny_llama_dir: Path) -> Iterator[SyncMPClient]:
     client.shutdown()
 
 
-def engine_request(request_id: str, prompt: list[int], max_tokens: int = 6, **params: object) -> EngineCoreRequest:
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)  # type: ignore[arg-type]
+def engine_request(
+    request_id: str, prompt: list[int], max_tokens: int = 6, **params: object
+) -> EngineCoreRequest:
+    params = {"temperature": 0.0, **params}
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params)  # type: ignore[arg-type]
     return EngineCoreRequest(request_id, prompt, sampling, eos_token_id=None, arrival_time=time.time())
 
 
@@ -127,3 +132,33 @@ def test_duplicate_request_id_fails_the_duplicate_and_the_original_goes_on(clien
     assert len(tokens(outputs["twice"])) == 30
     assert wait_until_idle(client) == 0.0
     assert client.health_problem() is None
+
+
+def test_a_request_whose_parameters_break_sampling_fails_alone(tiny_llama_dir: Path) -> None:
+    engine = EngineCore(
+        EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=80, num_threads=1)
+    )
+    runner = engine.executor.worker.runner  # type: ignore[attr-defined]
+    sample = runner.sampler
+
+    def fragile_sampler(logits: Any, metadata: SamplingMetadata) -> Any:
+        # Stands in for any parameter combination the batched sampler cannot handle.
+        if bool((metadata.temperature == 0.5).any()):
+            raise IndexError("injected sampling fault")
+        return sample(logits, metadata)
+
+    runner.sampler = fragile_sampler
+    engine.add_request(engine_request("fine", [5, 6, 7]))
+    engine.add_request(engine_request("fragile", [5, 6, 7], temperature=0.5))
+    finished: dict[str, EngineCoreOutput] = {}
+    produced: dict[str, int] = {"fine": 0, "fragile": 0}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            produced[out.request_id] += len(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["fragile"].finish_reason == FINISH_ERROR
+    assert finished["fragile"].error == "sampling failed (IndexError)"
+    assert produced == {"fine": 6, "fragile": 0}
+    assert engine.scheduler.kv.usage == 0.0
+    engine.shutdown()

@@ -28,7 +28,9 @@ LOAD_KERNELS = "from tessera.kernels import cpu_kernels; assert cpu_kernels() is
 
 
 def test_baton_of_a_killed_builder_is_taken_over(tmp_path: Path) -> None:
-    child = subprocess.run([sys.executable, "-c", KILLED_BUILDER, str(tmp_path)], capture_output=True, timeout=60)
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_BUILDER, str(tmp_path)], capture_output=True, timeout=60
+    )
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert (tmp_path / kernels.TORCH_BATON).exists()
     with kernels.build_lock(tmp_path):  # the kernel released the dead builder's lock

@@ -64,7 +64,9 @@ def test_conversion_killed_midway_is_redone_by_the_next_start(
 ) -> None:
     target = tmp_path / "cache" / "model-1"
     child = subprocess.run(
-        [sys.executable, "-c", KILLED_CONVERSION, point, str(gguf), str(target)], capture_output=True, timeout=60
+        [sys.executable, "-c", KILLED_CONVERSION, point, str(gguf), str(target)],
+        capture_output=True,
+        timeout=60,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
     assert not conversion.is_complete(target)
@@ -90,7 +92,9 @@ def test_weights_cut_short_after_publishing_are_converted_again(
     assert len(calls) == 2 and (target / "model.safetensors").stat().st_size == 1000
 
 
-def test_folder_without_marker_is_not_trusted(gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_folder_without_marker_is_not_trusted(
+    gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # What a conversion cut short used to leave: config.json present, weights truncated.
     target = tmp_path / "cache" / "model-1"
     target.mkdir(parents=True)

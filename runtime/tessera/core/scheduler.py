@@ -203,7 +203,9 @@ class Scheduler:
                 outputs.append(self.fail_request(request, f"internal error ({type(error).__name__})"))
         return outputs
 
-    def _append_sampled(self, request: Request, runner_output: ModelRunnerOutput, row: int) -> EngineCoreOutput:
+    def _append_sampled(
+        self, request: Request, runner_output: ModelRunnerOutput, row: int
+    ) -> EngineCoreOutput:
         token_id = runner_output.sampled_token_ids[row]
         request.append_output_token(token_id)
         status = self._check_stop(request, token_id)

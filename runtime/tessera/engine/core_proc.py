@@ -138,7 +138,9 @@ class EngineCoreProc:
                 self.input_queue.put(parse_input(frames))
             except serialization.DecodeError as error:
                 self.protocol_errors += 1
-                logger.warning("engine core: dropped a malformed message (%d so far): %s", self.protocol_errors, error)
+                logger.warning(
+                    "engine core: dropped a malformed message (%d so far): %s", self.protocol_errors, error
+                )
 
     def _output_loop(self, addr: str) -> None:
         sock = self._zmq.socket(zmq.PUSH)
@@ -224,7 +226,10 @@ class EngineCoreProc:
         except RequestRejected as error:
             logger.warning("request %r rejected: %s", request.request_id, error)
             failed = EngineCoreOutput(
-                request_id=str(request.request_id), new_token_ids=[], finish_reason=FINISH_ERROR, error=str(error)
+                request_id=str(request.request_id),
+                new_token_ids=[],
+                finish_reason=FINISH_ERROR,
+                error=str(error),
             )
             self.output_queue.put((OUTPUTS, EngineCoreOutputs(outputs=[failed], timestamp=time.time())))
 

@@ -238,20 +238,20 @@ class ModelRunner:
         rewind = _GeneratorRewind(states)
         try:
             return self.sampler(logits, self._sampling_metadata(states)), list(range(len(states)))
-        except Exception as error:
-            batch_error = error
+        except Exception as failure:
+            batch_failure = failure
         failures: dict[int, Exception] = {}
         for row, state in enumerate(states):
             rewind()
             try:
                 self.sampler(logits[row : row + 1], self._sampling_metadata([state]))
-            except Exception as error:
-                failures[row] = error
+            except Exception as failure:
+                failures[row] = failure
         if len(states) > 1 and len(failures) == len(states):
-            raise batch_error
-        for row, error in failures.items():
-            logger.error("request %s failed in sampling", request_ids[row], exc_info=error)
-            self.failed[request_ids[row]] = f"sampling failed ({type(error).__name__})"
+            raise batch_failure
+        for row, row_failure in failures.items():
+            logger.error("request %s failed in sampling", request_ids[row], exc_info=row_failure)
+            self.failed[request_ids[row]] = f"sampling failed ({type(row_failure).__name__})"
         kept = [row for row in range(len(states)) if row not in failures]
         rewind()
         if not kept:
@@ -272,7 +272,12 @@ class _GeneratorRewind:
 
 
 def _token_logprobs(output: SamplerOutput | None) -> list[TokenLogprobs] | None:
-    if output is None or output.logprobs is None or output.top_token_ids is None or output.top_logprobs is None:
+    if (
+        output is None
+        or output.logprobs is None
+        or output.top_token_ids is None
+        or output.top_logprobs is None
+    ):
         return None
     return [
         TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=lps)
