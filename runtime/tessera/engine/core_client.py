@@ -36,6 +36,7 @@ from tessera.engine.core_proc import (
     OUTPUTS,
     READY,
     SHUTDOWN,
+    log_protocol_error,
     run_engine_core,
     set_max_message_size,
 )
@@ -124,7 +125,7 @@ class MPClientBase:
             return frames[0], serialization.decode(frames[1])
         except serialization.DecodeError as error:
             self._own_protocol_errors += 1
-            logger.warning("dropped a malformed message from the engine core: %s", error)
+            log_protocol_error(self._own_protocol_errors, "the engine core", error)
             return None
 
     def _receive_loop(self) -> None:
@@ -155,7 +156,7 @@ class MPClientBase:
                 self._mark_dead(f"engine core failed:\n{payload}")
             else:
                 self._own_protocol_errors += 1
-                logger.warning("dropped an unexpected %r message from the engine core", kind[:32])
+                log_protocol_error(self._own_protocol_errors, "the engine core", f"unexpected {kind[:32]!r}")
 
     def _monitor_loop(self) -> None:
         ready = multiprocessing.connection.wait([self.proc.sentinel, self._stop_r])

@@ -64,6 +64,12 @@ def set_max_message_size(sock: zmq.Socket, max_bytes: int = serialization.DEFAUL
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
 
 
+def log_protocol_error(count: int, sender: str, error: object) -> None:
+    """Log the first few malformed messages, then every thousandth: a flood must not flood the log."""
+    if count <= 10 or count % 1000 == 0:
+        logger.warning("dropped a malformed message from %s (%d so far): %.200s", sender, count, error)
+
+
 def parse_input(frames: list[bytes]) -> tuple[bytes, Any]:
     """One frontend message, checked for shape and payload type; DecodeError otherwise."""
     if len(frames) != 2:
@@ -138,9 +144,7 @@ class EngineCoreProc:
                 self.input_queue.put(parse_input(frames))
             except serialization.DecodeError as error:
                 self.protocol_errors += 1
-                logger.warning(
-                    "engine core: dropped a malformed message (%d so far): %s", self.protocol_errors, error
-                )
+                log_protocol_error(self.protocol_errors, "the frontend", error)
 
     def _output_loop(self, addr: str) -> None:
         sock = self._zmq.socket(zmq.PUSH)
@@ -224,7 +228,7 @@ class EngineCoreProc:
         try:
             self.engine.add_request(request)
         except RequestRejected as error:
-            logger.warning("request %r rejected: %s", request.request_id, error)
+            logger.warning("request %.100r rejected: %s", request.request_id, error)
             failed = EngineCoreOutput(
                 request_id=str(request.request_id),
                 new_token_ids=[],

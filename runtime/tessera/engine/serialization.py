@@ -84,7 +84,7 @@ def decode(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> Any:
     except DecodeError:
         raise
     except Exception as error:  # msgpack and constructors raise many types; all mean "malformed"
-        raise DecodeError(f"malformed message: {error}") from error
+        raise DecodeError(f"malformed message ({type(error).__name__}: {error})") from error
 
 
 class _RawExt:
