@@ -4,9 +4,10 @@ Per-request state (tokens, blocks, generator) lives here between steps; the
 scheduler sends it once (``new``) and then only each step's tokens and blocks.
 Decodes are placed first so attention can batch them.
 
-A request whose inputs or sampling parameters cannot run (a token id outside the
-vocabulary, a seed torch refuses, parameters that break sampling) is left out of the
-batch and reported in ``ModelRunnerOutput.failed``: it fails alone, the batch goes on.
+A request that cannot run fails alone, reported in ``ModelRunnerOutput.failed`` while the
+batch goes on: one whose inputs are unusable (a token id outside the vocabulary, a seed
+torch refuses) is left out of the batch on arrival, alike on every rank; one whose
+parameters break sampling is no longer sampled.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class ModelRunner:
         self.vocab_size = int(self.model.config.vocab_size)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
-        # Requests refused here (id -> reason), reported every step until the scheduler drops them.
+        # Requests that failed here (id -> reason), reported every step until the scheduler drops them.
         self.failed: dict[str, str] = {}
         self.kv_caches: list[torch.Tensor] = []
 
@@ -98,8 +99,8 @@ class ModelRunner:
             self.requests.pop(request_id, None)
             self.failed.pop(request_id, None)
         for scheduled in scheduler_output.scheduled:
-            if scheduled.request_id in self.failed:
-                continue
+            if scheduled.request_id in self.failed and scheduled.request_id not in self.requests:
+                continue  # refused on arrival: every rank refuses it alike and leaves it out
             state = self.requests.get(scheduled.request_id)
             if scheduled.new is not None:
                 try:
@@ -205,7 +206,7 @@ class ModelRunner:
         self._update_states(scheduler_output)
         # Decodes first (stable sort keeps the scheduler's order within each kind).
         batch = sorted(
-            (s for s in scheduler_output.scheduled if s.request_id not in self.failed),
+            (s for s in scheduler_output.scheduled if s.request_id in self.requests),
             key=lambda s: len(s.token_ids) != 1,
         )
         if not batch:
@@ -213,7 +214,9 @@ class ModelRunner:
         input_ids, positions, metadata = self._prepare_inputs(batch)
         hidden_states = self.model(input_ids, positions, self.kv_caches, metadata)
 
-        sampled = [row for row, scheduled in enumerate(batch) if scheduled.sample]
+        # A request that failed in sampling stays in the forward pass until the scheduler drops it
+        # (only the sampling rank knows, and every stage must run the same batch) but is not sampled.
+        sampled = [row for row, s in enumerate(batch) if s.sample and s.request_id not in self.failed]
         if not sampled:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=dict(self.failed))
         last_token_rows = torch.tensor([metadata.query_start_loc_list[row + 1] - 1 for row in sampled])
