@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import enum
 
-from tessera.engine.messages import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, EngineCoreRequest
+from tessera.engine.messages import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineCoreRequest,
+)
 from tessera.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """The engine core cannot take this request; it fails alone, the engine keeps serving."""
 
 
 class RequestStatus(enum.Enum):
@@ -15,6 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -29,6 +40,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FINISH_STOP,
     RequestStatus.FINISHED_LENGTH: FINISH_LENGTH,
     RequestStatus.FINISHED_ABORTED: FINISH_ABORT,
+    RequestStatus.FINISHED_ERROR: FINISH_ERROR,
 }
 
 
@@ -62,6 +74,7 @@ class Request:
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+        check_request_fields(request)
         return cls(
             request.request_id,
             request.prompt_token_ids,
@@ -87,3 +100,23 @@ class Request:
 
     def is_finished(self) -> bool:
         return self.status.finished
+
+
+def check_request_fields(request: EngineCoreRequest) -> None:
+    """The wire carries any msgpack value in any field: refuse what the engine cannot use."""
+
+    def is_token_id(value: object) -> bool:
+        return type(value) is int and value >= 0
+
+    if type(request.request_id) is not str or not request.request_id:
+        raise RequestRejected("request_id must be a non-empty string")
+    if type(request.prompt_token_ids) is not list or not request.prompt_token_ids:
+        raise RequestRejected("the prompt must hold at least one token")
+    if not all(is_token_id(token) for token in request.prompt_token_ids):
+        raise RequestRejected("prompt token ids must be non-negative integers")
+    if not isinstance(request.sampling_params, SamplingParams):
+        raise RequestRejected("sampling_params are missing")
+    if request.eos_token_id is not None and not is_token_id(request.eos_token_id):
+        raise RequestRejected("eos_token_id must be a non-negative integer")
+    if type(request.arrival_time) not in (int, float):
+        raise RequestRejected("arrival_time must be a number")

@@ -46,3 +46,5 @@ class ModelRunnerOutput:
     request_ids: list[str]  # the sampled requests, in order
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    # Requests the runner could not serve (request id -> short reason): they fail alone.
+    failed: dict[str, str] = field(default_factory=dict)

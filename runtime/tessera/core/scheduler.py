@@ -8,13 +8,16 @@ and it goes back to the front of the waiting queue.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from tessera.config import EngineConfig
 from tessera.core.kv_cache_manager import KVCacheManager
-from tessera.core.request import Request, RequestStatus
+from tessera.core.request import Request, RequestRejected, RequestStatus
 from tessera.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tessera.engine.messages import EngineCoreOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -39,11 +42,19 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        """Queue a request; RequestRejected (nothing changed) if it can never run here."""
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens == 0:
+            raise RequestRejected("the prompt must hold at least one token")
         if request.num_tokens >= self.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt has {request.num_tokens} tokens; the model's context is {self.max_model_len}"
+            )
+        if not self.enable_chunked_prefill and request.num_tokens > self.max_num_batched_tokens:
+            raise RequestRejected(
+                f"prompt has {request.num_tokens} tokens; with chunked prefill off one step "
+                f"holds at most {self.max_num_batched_tokens} (max_num_batched_tokens)"
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -58,9 +69,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RequestStatus.RUNNING:
+        # Membership, not status: a request that failed midway may hold either.
+        if request in self.running:
             self.running.remove(request)
-        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        if request in self.waiting:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
@@ -104,7 +116,10 @@ class Scheduler:
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens
-            if not self.enable_chunked_prefill and remaining > budget:
+            # Without chunked prefill a prompt runs whole; only a request resumed after preemption
+            # (prompt + outputs) can exceed a full step, and it is chunked rather than left waiting forever.
+            must_be_whole = not self.enable_chunked_prefill and remaining <= self.max_num_batched_tokens
+            if must_be_whole and remaining > budget:
                 break
             count = min(remaining, budget)
             if self.long_prefill_token_threshold:
@@ -187,27 +202,51 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
+        for request_id, reason in runner_output.failed.items():
+            request = self.requests.get(request_id)
+            if request is not None:
+                outputs.append(self.fail_request(request, reason))
         for row, request_id in enumerate(runner_output.request_ids):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while in flight
             if request.num_preemptions != scheduler_output.preemption_epochs.get(request_id):
                 continue  # preempted and rescheduled while this batch was in flight: stale
-            token_id = runner_output.sampled_token_ids[row]
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            output = EngineCoreOutput(
-                request_id=request_id,
-                new_token_ids=[token_id],
-                new_logprobs=[runner_output.logprobs[row]] if runner_output.logprobs else None,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            )
-            if status is not None:
-                self._finish(request, status)
-                output.finish_reason = status.finish_reason
-                output.stop_reason = request.stop_reason
-            outputs.append(output)
+            try:
+                outputs.append(self._append_sampled(request, runner_output, row))
+            except Exception as error:
+                # A fault in one request's bookkeeping fails that request, not the engine.
+                logger.exception("request %s failed while processing its output", request_id)
+                outputs.append(self.fail_request(request, f"internal error ({type(error).__name__})"))
         return outputs
+
+    def _append_sampled(
+        self, request: Request, runner_output: ModelRunnerOutput, row: int
+    ) -> EngineCoreOutput:
+        token_id = runner_output.sampled_token_ids[row]
+        request.append_output_token(token_id)
+        status = self._check_stop(request, token_id)
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[token_id],
+            new_logprobs=[runner_output.logprobs[row]] if runner_output.logprobs else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+        if status is not None:
+            self._finish(request, status)
+            output.finish_reason = status.finish_reason
+            output.stop_reason = request.stop_reason
+        return output
+
+    def fail_request(self, request: Request, reason: str) -> EngineCoreOutput:
+        """Finish one request with an error: its blocks are freed and its caller told why."""
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+            error=reason,
+        )
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -3,16 +3,20 @@
 Spawns the process, waits for its READY handshake, then sends requests and aborts and
 receives EngineCoreOutputs over ZeroMQ. A monitor thread waits on the process sentinel:
 the moment the process dies, every caller waiting for outputs gets EngineDeadError.
+The core's heartbeats tell a live core from a deaf (input thread gone, or silent) or stuck
+one (a step that does not end): ``health_problem()`` names what is wrong, for /health.
 Two flavours: SyncMPClient (blocking get_output) and AsyncMPClient (awaitable).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import queue
 import shutil
 import tempfile
@@ -24,12 +28,27 @@ import zmq
 
 from tessera.config import EngineConfig
 from tessera.engine import serialization
-from tessera.engine.core_proc import ABORT, ADD, DEAD, OUTPUTS, READY, SHUTDOWN, run_engine_core
-from tessera.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from tessera.engine.core_proc import (
+    ABORT,
+    ADD,
+    DEAD,
+    HEARTBEAT,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    log_protocol_error,
+    run_engine_core,
+    set_max_message_size,
+)
+from tessera.engine.messages import EngineCoreHeartbeat, EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 900.0  # model loading (and GGUF conversion on a first run) can be slow
+# The core heartbeats every second; this much silence means it stopped answering.
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("TESSERA_ENGINE_HEARTBEAT_TIMEOUT_S", "30"))
+# One busy-loop iteration (a step) running this long with work queued means the core is stuck.
+STALL_TIMEOUT_S = float(os.environ.get("TESSERA_ENGINE_STALL_TIMEOUT_S", "60"))
 
 
 class EngineDeadError(RuntimeError):
@@ -39,6 +58,11 @@ class EngineDeadError(RuntimeError):
 class MPClientBase:
     def __init__(self, config: EngineConfig, engine_core_cls: type | None = None) -> None:
         self.dead_error: EngineDeadError | None = None
+        self.heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S
+        self.stall_timeout_s = STALL_TIMEOUT_S
+        self._heartbeat = EngineCoreHeartbeat(input_alive=True, stalled_s=0.0, protocol_errors=0)
+        self._heartbeat_at = time.monotonic()
+        self._own_protocol_errors = 0  # malformed messages from the core, dropped here
         self._shutting_down = False
         self._send_lock = threading.Lock()
         self._ipc_dir = tempfile.mkdtemp(prefix="tessera-core-")
@@ -50,6 +74,7 @@ class MPClientBase:
         self._input.bind(input_addr)
         self._output = self._zmq.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
+        set_max_message_size(self._output)
         self._output.bind(output_addr)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold torch threads
         # Not a daemon: the engine core may start worker processes of its own.
@@ -65,44 +90,73 @@ class MPClientBase:
         except BaseException:
             self.shutdown()
             raise
+        self._heartbeat_at = time.monotonic()
         self._stop_r, self._stop_w = multiprocessing.Pipe(duplex=False)
         self._monitor = threading.Thread(target=self._monitor_loop, name="core-monitor", daemon=True)
         self._monitor.start()
-        self._receiver: threading.Thread | None = None
+        # Started now, not on the first request: heartbeats must be read while the server idles.
+        self._receiver = threading.Thread(target=self._receive_loop, name="core-receiver", daemon=True)
+        self._receiver.start()
 
     # --- startup ----------------------------------------------------------------------
     def _wait_ready(self) -> dict[str, Any]:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._output.poll(100):
-                kind, payload = self._output.recv_multipart()
-                if kind == READY:
-                    return dict(serialization.decode(payload))
+                message = self._receive()
+                if message is None:
+                    continue
+                kind, payload = message
+                if kind == READY and isinstance(payload, dict):
+                    return payload
                 if kind == DEAD:
-                    raise EngineDeadError(f"engine core failed to start:\n{serialization.decode(payload)}")
+                    raise EngineDeadError(f"engine core failed to start:\n{payload}")
             elif not self.proc.is_alive():
                 raise EngineDeadError(f"engine core exited during startup (exit code {self.proc.exitcode})")
         raise EngineDeadError(f"engine core not ready after {STARTUP_TIMEOUT_S:.0f} s")
 
     # --- background threads -------------------------------------------------------------
-    def _start_receiver(self) -> None:
-        self._receiver = threading.Thread(target=self._receive_loop, name="core-receiver", daemon=True)
-        self._receiver.start()
+    def _receive(self) -> tuple[bytes, Any] | None:
+        """One message from the core, or None (counted) when it is malformed."""
+        frames = self._output.recv_multipart()
+        try:
+            if len(frames) != 2:
+                raise serialization.DecodeError(f"expected 2 frames, got {len(frames)}")
+            return frames[0], serialization.decode(frames[1])
+        except serialization.DecodeError as error:
+            self._own_protocol_errors += 1
+            log_protocol_error(self._own_protocol_errors, "the engine core", error)
+            return None
 
     def _receive_loop(self) -> None:
+        try:
+            self._receive_until_shutdown()
+        except Exception as error:  # without this thread no output arrives: fail loudly
+            logger.exception("engine core receiver failed")
+            self._mark_dead(f"engine core receiver failed: {error!r}")
+
+    def _receive_until_shutdown(self) -> None:
         poller = zmq.Poller()
         poller.register(self._output, zmq.POLLIN)
         while not self._shutting_down:
             if not poller.poll(200):
                 continue
             try:
-                kind, payload = self._output.recv_multipart()
+                message = self._receive()
             except zmq.ZMQError:
                 return
-            if kind == OUTPUTS:
-                self._deliver(serialization.decode(payload))
+            if message is None:
+                continue
+            kind, payload = message
+            if kind == OUTPUTS and isinstance(payload, EngineCoreOutputs):
+                self._deliver(payload)
+            elif kind == HEARTBEAT and isinstance(payload, EngineCoreHeartbeat):
+                self._heartbeat, self._heartbeat_at = payload, time.monotonic()
             elif kind == DEAD:
-                self._mark_dead(f"engine core failed:\n{serialization.decode(payload)}")
+                self._mark_dead(f"engine core failed:\n{payload}")
+            else:
+                self._own_protocol_errors += 1
+                log_protocol_error(self._own_protocol_errors, "the engine core", f"unexpected {kind[:32]!r}")
 
     def _monitor_loop(self) -> None:
         ready = multiprocessing.connection.wait([self.proc.sentinel, self._stop_r])
@@ -136,8 +190,29 @@ class MPClientBase:
             self._send(ABORT, list(request_ids))
 
     @property
+    def protocol_errors(self) -> int:
+        """Malformed messages dropped so far, by the core (its last heartbeat) and by this client."""
+        return self._heartbeat.protocol_errors + self._own_protocol_errors
+
+    def health_problem(self) -> str | None:
+        """Why the engine core cannot serve (dead, deaf or stuck), or None when it is healthy."""
+        if self.dead_error is not None:
+            return "the engine core has failed"
+        if not self.proc.is_alive():
+            return "the engine core process is not running"
+        silent_s = time.monotonic() - self._heartbeat_at
+        if silent_s > self.heartbeat_timeout_s:
+            return f"the engine core has not answered for {silent_s:.0f} s"
+        if not self._heartbeat.input_alive:
+            return "the engine core no longer receives requests"
+        stalled_s = self._heartbeat.stalled_s + silent_s
+        if self._heartbeat.stalled_s > 0 and stalled_s > self.stall_timeout_s:
+            return f"the engine core has made no progress for {stalled_s:.0f} s"
+        return None
+
+    @property
     def is_alive(self) -> bool:
-        return self.dead_error is None and self.proc.is_alive()
+        return self.health_problem() is None
 
     def shutdown(self) -> None:
         if self._shutting_down:
@@ -168,16 +243,11 @@ class MPClientBase:
 
 class SyncMPClient(MPClientBase):
     def __init__(self, config: EngineConfig, engine_core_cls: type | None = None) -> None:
-        super().__init__(config, engine_core_cls)
         self._queue: queue.Queue[EngineCoreOutputs | EngineDeadError] = queue.Queue()
-        if self.dead_error is not None:
-            self._queue.put(self.dead_error)
-        self._start_receiver()
+        super().__init__(config, engine_core_cls)
 
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        queue_ = getattr(self, "_queue", None)
-        if queue_ is not None:
-            queue_.put(item)
+        self._queue.put(item)
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next step's outputs; raises EngineDeadError once the core is gone, queue.Empty on timeout."""
@@ -189,35 +259,38 @@ class SyncMPClient(MPClientBase):
 
 
 class AsyncMPClient(MPClientBase):
-    """The asyncio flavour: outputs are awaited on the loop that first asks for them."""
+    """The asyncio flavour: outputs are awaited on the loop that first asks for them.
+
+    The receiver thread runs from the start, so outputs wait in a thread-safe deque and the
+    loop is woken through an Event set with call_soon_threadsafe.
+    """
 
     def __init__(self, config: EngineConfig, engine_core_cls: type | None = None) -> None:
+        self._items: collections.deque[EngineCoreOutputs | EngineDeadError] = collections.deque()
+        self._wakeup: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: asyncio.Queue[EngineCoreOutputs | EngineDeadError] | None = None
         super().__init__(config, engine_core_cls)
 
-    def _ensure_started(self) -> asyncio.Queue[EngineCoreOutputs | EngineDeadError]:
-        if self._queue is None:
-            self._loop = asyncio.get_running_loop()
-            self._queue = asyncio.Queue()
-            self._start_receiver()
-        return self._queue
-
     def _deliver(self, item: EngineCoreOutputs | EngineDeadError) -> None:
-        loop, queue_ = self._loop, self._queue
-        if loop is None or queue_ is None:
-            return  # nobody listens yet; dead_error is checked on the first get
-        with contextlib.suppress(RuntimeError):  # a closed loop: the process is shutting down
-            loop.call_soon_threadsafe(queue_.put_nowait, item)
+        self._items.append(item)
+        loop, wakeup = self._loop, self._wakeup
+        if loop is not None and wakeup is not None:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the process is shutting down
+                loop.call_soon_threadsafe(wakeup.set)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        queue_ = self._ensure_started()
-        if queue_.empty() and self.dead_error is not None:
-            raise self.dead_error
-        item = await queue_.get()
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
+        while not self._items:
+            self._wakeup.clear()
+            if self._items:
+                break
+            await self._wakeup.wait()
+        item = self._items[0]
         if isinstance(item, EngineDeadError):
-            queue_.put_nowait(item)
-            raise item
+            raise item  # left in place: every later caller fails too
+        self._items.popleft()
         return item
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:

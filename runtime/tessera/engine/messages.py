@@ -13,6 +13,8 @@ from tessera.sampling_params import SamplingParams
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+# The engine core could not serve this one request (see EngineCoreOutput.error); others go on.
+FINISH_ERROR = "error"
 
 
 @dataclass
@@ -38,9 +40,10 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT
+    finish_reason: str | None = None  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT | FINISH_ERROR
     stop_reason: int | str | None = None  # the stop token id (or stop string, set by the detokenizer)
     num_cached_tokens: int = 0
+    error: str | None = None  # with FINISH_ERROR: a short reason for the client (no traceback, no paths)
 
     @property
     def finished(self) -> bool:
@@ -62,3 +65,12 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+
+
+@dataclass
+class EngineCoreHeartbeat:
+    """Sent by the engine core about once a second, so the frontend can tell a live core from a deaf or stuck one."""
+
+    input_alive: bool  # the thread that receives requests is running
+    stalled_s: float  # how long the busy loop has been inside one iteration with work pending (0 when idle)
+    protocol_errors: int  # malformed messages received and dropped since start

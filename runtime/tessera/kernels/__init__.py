@@ -5,15 +5,25 @@ compiled with ``-march=native``), under ``~/.cache/tessera/kernels/`` (``TESSERA
 moves it), so a machine compiles once, in about a minute, and loads in milliseconds after.
 Without a C++ compiler ``cpu_kernels()`` returns None, and with ``TESSERA_CPU_KERNELS=0`` it
 is not used: the model then runs its ATen formulation, same results, slower.
+
+The cache survives a process killed at any point: builds and loads of one build folder take
+an fcntl lock (released by the kernel when its holder dies), so torch's own ``lock`` file
+found there while holding it was left by a dead builder and is removed instead of waited on
+forever. Sources are compiled from a copy inside the build folder, so checkouts at different
+paths share one build instead of rebuilding over each other.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +34,11 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.cpp"
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
+# torch.utils.cpp_extension's FileBaton: created by the builder, removed when it finishes.
+TORCH_BATON = "lock"
+BUILD_LOCK = ".tessera-build.lock"
+# Bumped when the layout of a build folder changes, so old and new code never share one.
+LAYOUT = b"staged-sources-1"
 
 
 def _cpu_features() -> str:
@@ -44,6 +59,7 @@ def build_key() -> str:
         torch.__version__.encode(),
         " ".join(CFLAGS).encode(),
         _cpu_features().encode(),
+        LAYOUT,
     ):
         digest.update(part)
         digest.update(b"\0")
@@ -74,6 +90,36 @@ def native_ops(device: torch.device) -> ModuleType | None:
     return cpu_kernels()
 
 
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Exclusive use of ``build_dir``; a torch baton found inside belongs to a dead process."""
+    with open(build_dir / BUILD_LOCK, "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            baton = build_dir / TORCH_BATON
+            if baton.exists():
+                logger.warning("removing %s, left by a kernel build that was killed", baton)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _stage_sources(build_dir: Path) -> Path:
+    """Copy csrc/ into the build folder (atomically, only what differs) and return the .cpp to build."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for path in CSRC.iterdir():
+        target = staged / path.name
+        content = path.read_bytes()
+        if target.is_file() and target.read_bytes() == content:
+            continue  # rewriting would touch its mtime and make ninja rebuild
+        with tempfile.NamedTemporaryFile(dir=staged, delete=False, prefix=f".{path.name}.") as tmp:
+            tmp.write(content)
+        os.replace(tmp.name, target)
+    return staged / SOURCE.name
+
+
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled kernels, or None when they cannot be built here."""
@@ -81,21 +127,23 @@ def cpu_kernels() -> ModuleType | None:
 
     key = build_key()
     build_dir = _cache_root() / key
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        logger.warning(
-            "compiling Tessera's CPU kernels into %s (once per machine, about a minute)", build_dir
-        )
     _put_ninja_on_path()
     try:
-        return cpp_extension.load(
-            name=f"tessera_cpu_kernels_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with build_lock(build_dir):
+            source = _stage_sources(build_dir)
+            if not any(build_dir.glob("*.so")):
+                logger.warning(
+                    "compiling Tessera's CPU kernels into %s (once per machine, about a minute)", build_dir
+                )
+            return cpp_extension.load(
+                name=f"tessera_cpu_kernels_{key}",
+                sources=[str(source)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError, SystemExit) as error:
         logger.warning("Tessera's CPU kernels are unavailable, using ATen ops instead: %s", error)
         return None

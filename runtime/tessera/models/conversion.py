@@ -3,14 +3,18 @@
 transformers dequantizes GGUF weights on load but refuses to ``save_pretrained`` such a
 model, so the weights are copied into a fresh model built from the same config (without
 its ``quantization_config``) and saved as safetensors with the tokenizer and chat template.
-The folder appears atomically: work happens in a temporary sibling that is renamed into
-place, and a file lock makes concurrent processes wait for one conversion instead of
-racing (a crashed converter leaves only a temporary folder, cleaned up later).
+
+The folder survives a kill at any point: work happens in a temporary sibling whose files
+are fsynced, then a ``.complete`` marker listing every file and its size is written last,
+and the folder is renamed into place. A folder is used only when its marker matches its
+files; anything else (a crash, a disk that lost writes, an older layout) is rebuilt. A file
+lock makes concurrent processes wait for one conversion instead of racing.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -24,23 +28,36 @@ from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
+COMPLETE_MARKER = ".complete"
+
+
+def is_complete(folder: Path) -> bool:
+    """True when ``folder`` holds every file its marker lists, at the listed sizes."""
+    try:
+        listed = json.loads((folder / COMPLETE_MARKER).read_text())["files"]
+        return bool(listed) and all((folder / name).stat().st_size == size for name, size in listed.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
 
 def convert_gguf_once(gguf_path: Path, target: Path) -> Path:
     """Return ``target``, converting ``gguf_path`` into it first unless a previous run did."""
-    if (target / "config.json").is_file():
+    if is_complete(target):
         return target
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{target.name}.lock"):
-        if (target / "config.json").is_file():  # another process finished while we waited
+        if is_complete(target):  # another process finished while we waited
             return target
-        _remove_stale_temporaries(target)
+        _remove_stale(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             _convert(gguf_path, tmp)
             _make_readable(tmp)
+            _seal(tmp)
             os.replace(tmp, target)
+            _fsync_path(target.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -64,8 +81,36 @@ def _make_readable(folder: Path) -> None:
         item.chmod(0o644)
 
 
-def _remove_stale_temporaries(target: Path) -> None:
-    # Only called under the lock, so no live converter owns these.
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _seal(folder: Path) -> None:
+    """Flush every file to disk, then write the marker (itself flushed) that makes the folder usable."""
+    files = {}
+    for item in sorted(folder.iterdir()):
+        _fsync_path(item)
+        files[item.name] = item.stat().st_size
+    marker = folder / COMPLETE_MARKER
+    with open(marker, "w") as handle:
+        json.dump({"files": files}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    marker.chmod(0o644)
+    _fsync_path(folder)
+
+
+def _remove_stale(target: Path) -> None:
+    # Only called under the lock, so no live converter owns these: a crashed run's temporaries,
+    # and a target that is not complete (moved aside first, so it is never half-deleted in place).
+    if target.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        logger.warning("%s is incomplete (a conversion was interrupted): converting again", target)
+        os.replace(target, aside / "old")
     for stale in target.parent.glob(f".{target.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.models.conversion import convert_gguf_once
+from tessera.models.conversion import convert_gguf_once, is_complete
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _resolve_gguf_file(path: Path) -> Path:
 
 def _resolve_alias(name: str, alias: PypiGgufAlias) -> Path:
     target = cache_root() / "models" / f"{name}-{alias.version}"
-    if (target / "config.json").is_file():
+    if is_complete(target):
         return target
     package_dir = _installed_package_dir(alias)
     installed = importlib.metadata.version(alias.distribution)

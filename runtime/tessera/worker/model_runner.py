@@ -3,11 +3,18 @@
 Per-request state (tokens, blocks, generator) lives here between steps; the
 scheduler sends it once (``new``) and then only each step's tokens and blocks.
 Decodes are placed first so attention can batch them.
+
+A request that cannot run fails alone, reported in ``ModelRunnerOutput.failed`` while the
+batch goes on: one whose inputs are unusable (a token id outside the vocabulary, a seed
+torch refuses) is left out of the batch on arrival, alike on every rank; one whose
+parameters break sampling is no longer sampled.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +28,9 @@ from tessera.models.layers.attention import AttentionMetadata
 from tessera.models.loader import load_model
 from tessera.sampling_params import SamplingParams
 from tessera.topology import Topology
-from tessera.worker.sampler import Sampler, SamplingMetadata
+from tessera.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 GPU_MEMORY_UTILIZATION = 0.9
@@ -67,8 +76,11 @@ class ModelRunner:
             sequence_parallel=topology.sequence_parallel,
         )
         self.max_model_len = config.max_model_len or int(self.model.config.max_position_embeddings)
+        self.vocab_size = int(self.model.config.vocab_size)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        # Requests that failed here (id -> reason), reported every step until the scheduler drops them.
+        self.failed: dict[str, str] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._steps, self._step_seconds = 0, 0.0
 
@@ -112,28 +124,46 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.requests.pop(request_id, None)
+            self.failed.pop(request_id, None)
         for scheduled in scheduler_output.scheduled:
+            if scheduled.request_id in self.failed and scheduled.request_id not in self.requests:
+                continue  # refused on arrival: every rank refuses it alike and leaves it out
             state = self.requests.get(scheduled.request_id)
             if scheduled.new is not None:
-                new = scheduled.new
-                generator = None
-                if new.sampling_params.seed is not None:
-                    generator = torch.Generator(device=self.device)
-                    generator.manual_seed(new.sampling_params.seed)
-                state = CachedRequestState(
-                    token_ids=new.prompt_token_ids + new.output_token_ids,
-                    num_prompt_tokens=len(new.prompt_token_ids),
-                    sampling_params=new.sampling_params,
-                    eos_token_id=new.eos_token_id,
-                    block_ids=scheduled.block_ids,
-                    generator=generator,
-                )
+                try:
+                    state = self._new_state(scheduled)
+                except ValueError as error:
+                    self.failed[scheduled.request_id] = str(error)
+                    continue
                 self.requests[scheduled.request_id] = state
             assert state is not None, f"unknown request {scheduled.request_id}"
             state.block_ids = scheduled.block_ids
             known = len(state.token_ids) - scheduled.start_position
             if known < len(scheduled.token_ids):
                 state.token_ids.extend(scheduled.token_ids[known:])
+
+    def _new_state(self, scheduled: ScheduledRequest) -> CachedRequestState:
+        """The state of a request first scheduled (or resumed); ValueError when it cannot run here."""
+        new = scheduled.new
+        assert new is not None
+        token_ids = new.prompt_token_ids + new.output_token_ids
+        if any(not 0 <= token < self.vocab_size for token in token_ids):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}) for this model")
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            try:
+                generator.manual_seed(new.sampling_params.seed)
+            except (RuntimeError, OverflowError, ValueError) as error:
+                raise ValueError("seed is out of range") from error
+        return CachedRequestState(
+            token_ids=token_ids,
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=new.sampling_params,
+            eos_token_id=new.eos_token_id,
+            block_ids=scheduled.block_ids,
+            generator=generator,
+        )
 
     def _prepare_inputs(
         self, batch: list[ScheduledRequest]
@@ -184,7 +214,8 @@ class ModelRunner:
                 stops = list(state.sampling_params.stop_token_ids)
                 if state.eos_token_id is not None:
                     stops.append(state.eos_token_id)
-                blocked[row] = stops
+                # An id the model cannot produce needs no blocking (and would index past the logits).
+                blocked[row] = [token for token in stops if 0 <= token < self.vocab_size]
         needs_prompt = any(p.repetition_penalty != 1.0 for p in params)
         return SamplingMetadata.from_params(
             params,
@@ -201,17 +232,19 @@ class ModelRunner:
     def execute_model(
         self,
         scheduler_output: SchedulerOutput,
-        intermediate_tensors: IntermediateTensors | None = None,
+        receive: Callable[[int], IntermediateTensors] | None = None,
         sample: bool = True,
     ) -> ModelRunnerOutput | IntermediateTensors | None:
         """One forward pass of this rank's layers.
 
-        A pipeline stage before the last returns the activations for the next stage; the last
-        stage computes logits (a collective over its TP group) and, where ``sample``, samples.
+        A pipeline stage after the first gets its input from ``receive(num_tokens)`` (the previous
+        stage's output for this batch); a stage before the last returns the activations for the
+        next stage; the last stage computes logits (a collective over its TP group) and, where
+        ``sample``, samples.
         """
         started = time.perf_counter()
         try:
-            return self._execute(scheduler_output, intermediate_tensors, sample)
+            return self._execute(scheduler_output, receive, sample)
         finally:
             self._steps += 1
             self._step_seconds += time.perf_counter() - started
@@ -219,46 +252,96 @@ class ModelRunner:
     def _execute(
         self,
         scheduler_output: SchedulerOutput,
-        intermediate_tensors: IntermediateTensors | None,
+        receive: Callable[[int], IntermediateTensors] | None,
         sample: bool,
     ) -> ModelRunnerOutput | IntermediateTensors | None:
         self._update_states(scheduler_output)
-        if not scheduler_output.scheduled:
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
         # Decodes first (stable sort keeps the scheduler's order within each kind).
-        batch = sorted(scheduler_output.scheduled, key=lambda s: len(s.token_ids) != 1)
+        batch = sorted(
+            (s for s in scheduler_output.scheduled if s.request_id in self.requests),
+            key=lambda s: len(s.token_ids) != 1,
+        )
+        if not batch:
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=dict(self.failed))
         input_ids, positions, metadata = self._prepare_inputs(batch)
+        intermediate_tensors = None if receive is None else receive(int(positions.shape[0]))
         hidden_states = self.model(input_ids, positions, self.kv_caches, metadata, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states
 
-        sampled = [row for row, scheduled in enumerate(batch) if scheduled.sample]
+        # A request that failed in sampling stays in the forward pass until the scheduler drops it
+        # (only the sampling rank knows, and every stage must run the same batch) but is not sampled.
+        sampled = [row for row, s in enumerate(batch) if s.sample and s.request_id not in self.failed]
         if not sampled:
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=dict(self.failed))
         last_token_rows = torch.tensor([metadata.query_start_loc_list[row + 1] - 1 for row in sampled])
         logits = self.model.compute_logits(hidden_states[last_token_rows.to(self.device)])
         if not sample:
             return None
-        states = [self.requests[batch[row].request_id] for row in sampled]
-        output = self.sampler(logits, self._sampling_metadata(states))
-
-        logprobs = None
-        if (
-            output.logprobs is not None
-            and output.top_token_ids is not None
-            and output.top_logprobs is not None
-        ):
-            logprobs = [
-                TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=lps)
-                for lp, ids, lps in zip(
-                    output.logprobs.tolist(),
-                    output.top_token_ids.tolist(),
-                    output.top_logprobs.tolist(),
-                    strict=True,
-                )
-            ]
+        request_ids = [batch[row].request_id for row in sampled]
+        output, kept = self._sample(logits, request_ids)
         return ModelRunnerOutput(
-            request_ids=[batch[row].request_id for row in sampled],
-            sampled_token_ids=output.sampled_token_ids.tolist(),
-            logprobs=logprobs,
+            request_ids=[request_ids[row] for row in kept],
+            sampled_token_ids=output.sampled_token_ids.tolist() if output is not None else [],
+            logprobs=_token_logprobs(output),
+            failed=dict(self.failed),
         )
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> tuple[SamplerOutput | None, list[int]]:
+        """Sample every row; rows whose parameters break sampling fail alone (kept: the other rows).
+
+        Only when the batch fails are rows tried one by one, generators rewound before each try, so
+        seeded rows draw the same noise as without the failure. A batch of several rows in which
+        every row fails alone is a fault of the engine, not of a request: it is raised.
+        """
+        states = [self.requests[request_id] for request_id in request_ids]
+        rewind = _GeneratorRewind(states)
+        try:
+            return self.sampler(logits, self._sampling_metadata(states)), list(range(len(states)))
+        except Exception as failure:
+            batch_failure = failure
+        failures: dict[int, Exception] = {}
+        for row, state in enumerate(states):
+            rewind()
+            try:
+                self.sampler(logits[row : row + 1], self._sampling_metadata([state]))
+            except Exception as failure:
+                failures[row] = failure
+        if len(states) > 1 and len(failures) == len(states):
+            raise batch_failure
+        for row, row_failure in failures.items():
+            logger.error("request %s failed in sampling", request_ids[row], exc_info=row_failure)
+            self.failed[request_ids[row]] = f"sampling failed ({type(row_failure).__name__})"
+        kept = [row for row in range(len(states)) if row not in failures]
+        rewind()
+        if not kept:
+            return None, []
+        kept_states = [states[row] for row in kept]
+        return self.sampler(logits[kept], self._sampling_metadata(kept_states)), kept
+
+
+class _GeneratorRewind:
+    """Restores the seeded generators of some requests to their state at construction."""
+
+    def __init__(self, states: list[CachedRequestState]) -> None:
+        self._saved = [(s.generator, s.generator.get_state()) for s in states if s.generator is not None]
+
+    def __call__(self) -> None:
+        for generator, state in self._saved:
+            generator.set_state(state)
+
+
+def _token_logprobs(output: SamplerOutput | None) -> list[TokenLogprobs] | None:
+    if (
+        output is None
+        or output.logprobs is None
+        or output.top_token_ids is None
+        or output.top_logprobs is None
+    ):
+        return None
+    return [
+        TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=lps)
+        for lp, ids, lps in zip(
+            output.logprobs.tolist(), output.top_token_ids.tolist(), output.top_logprobs.tolist(), strict=True
+        )
+    ]

@@ -134,7 +134,8 @@ class Sampler(torch.nn.Module):
 
         if raw_logprobs is None or metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
-        top_logprobs, top_token_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)
+        num_top = min(metadata.max_num_logprobs, raw_logprobs.shape[1])  # a tiny vocabulary has fewer
+        top_logprobs, top_token_ids = raw_logprobs.topk(num_top, dim=-1)
         return SamplerOutput(
             sampled_token_ids=sampled,
             logprobs=raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1),

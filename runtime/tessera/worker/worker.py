@@ -88,17 +88,14 @@ class Worker:
         self.runner.init_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput, step_id: int = 0) -> ModelRunnerOutput | None:
-        intermediate = None
-        if not self.is_first_stage and scheduler_output.scheduled:
-            runner = self.runner
-            intermediate = pipeline.receive(
-                step_id,
-                runner.model.intermediate_rows(scheduler_output.num_scheduled_tokens),
-                runner.model.config.hidden_size,
-                runner.dtype,
-                self.device,
-            )
-        result = self.runner.execute_model(scheduler_output, intermediate, sample=self.is_output_rank)
+        model, runner = self.runner.model, self.runner
+
+        def receive(num_tokens: int) -> IntermediateTensors:
+            rows = model.intermediate_rows(num_tokens)
+            return pipeline.receive(step_id, rows, model.config.hidden_size, runner.dtype, self.device)
+
+        receive_fn = None if self.is_first_stage else receive
+        result = runner.execute_model(scheduler_output, receive_fn, sample=self.is_output_rank)
         if isinstance(result, IntermediateTensors):
             self.sender.send(result, step_id)
             return None

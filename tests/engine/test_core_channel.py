@@ -1,0 +1,126 @@
+"""The engine core process against a hostile or broken channel: it survives bad messages, and
+the client reports a core that died inside, stopped answering, or got stuck (fake engine core,
+real processes and ZeroMQ sockets)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tessera.config import EngineConfig
+from tessera.engine import core_proc, serialization
+from tessera.engine.core_client import EngineDeadError, SyncMPClient
+from tessera.engine.messages import EngineCoreOutputs
+from tests.engine.test_wire_decoding import nested_extensions
+from tests.serving.fake_core import FakeEngineCore
+from tests.serving.test_core_client import collect_until_finished, request
+
+CONFIG = EngineConfig(model="fake")
+STALL_TOKEN = 777
+
+
+class InputKillerCore(FakeEngineCore):
+    """Makes the core's input thread die on a b"DIE" frame: a stand-in for any bug in that thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        parse = core_proc.parse_input
+
+        def parse_or_die(frames: list[bytes]) -> tuple[bytes, Any]:
+            if frames[0] == b"DIE":
+                raise RuntimeError("injected input thread death")
+            return parse(frames)
+
+        core_proc.parse_input = parse_or_die  # type: ignore[assignment]
+
+
+class StallingCore(FakeEngineCore):
+    """A step that never ends (a hung rank, a deadlock) for a request whose prompt holds STALL_TOKEN."""
+
+    def step(self) -> EngineCoreOutputs:
+        if any(STALL_TOKEN in req.prompt_token_ids for req, _ in self.requests.values()):
+            time.sleep(600)
+        return super().step()
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable[[type], SyncMPClient]]:
+    clients: list[SyncMPClient] = []
+
+    def make(engine_core_cls: type) -> SyncMPClient:
+        clients.append(SyncMPClient(CONFIG, engine_core_cls))
+        return clients[-1]
+
+    yield make
+    for client in clients:
+        if client.proc.pid is not None and client.proc.is_alive():
+            os.kill(client.proc.pid, signal.SIGCONT)  # a stopped core could not shut down
+        client.shutdown()
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+def test_malformed_messages_are_counted_and_the_core_keeps_serving(
+    make_client: Callable[[type], SyncMPClient],
+) -> None:
+    client = make_client(FakeEngineCore)
+    malformed: list[list[bytes]] = [
+        [b"ADD"],  # one frame
+        [b"ADD", b"x", b"y"],  # three frames
+        [b"ADD", b"\xc1"],  # not msgpack
+        [b"ADD", nested_extensions(200)],  # used to crash the process
+        [b"ADD", serialization.encode("not a request")],
+        [b"ABORT", serialization.encode(5)],  # would have raised in the busy loop
+        [b"BOGUS", serialization.encode(None)],
+    ]
+    for frames in malformed:
+        client._input.send_multipart(frames)
+    client.add_request(request("after", 10, 3))
+    assert collect_until_finished(client, {"after"}) == {"after": [11, 12, 13]}
+    assert wait_for(lambda: client.protocol_errors == len(malformed))
+    assert client.health_problem() is None
+
+
+def test_a_dead_input_thread_fails_the_engine_loudly(make_client: Callable[[type], SyncMPClient]) -> None:
+    client = make_client(InputKillerCore)
+    client._input.send_multipart([b"DIE", serialization.encode(None)])
+    with pytest.raises(EngineDeadError, match="input thread died"):
+        while True:
+            client.get_output(timeout=15)
+    assert client.health_problem() is not None
+
+
+def test_a_stuck_step_makes_the_core_unhealthy(make_client: Callable[[type], SyncMPClient]) -> None:
+    client = make_client(StallingCore)
+    client.stall_timeout_s = 1.0
+    client.add_request(request("ok", 10, 2))
+    collect_until_finished(client, {"ok"})
+    assert client.health_problem() is None
+    client.add_request(request("stuck", STALL_TOKEN, 2))
+    assert "no progress" in wait_for(client.health_problem)
+
+
+def test_a_core_that_stops_answering_is_unhealthy_until_it_answers_again(
+    make_client: Callable[[type], SyncMPClient],
+) -> None:
+    client = make_client(FakeEngineCore)
+    client.heartbeat_timeout_s = 2.0
+    assert wait_for(lambda: client.health_problem() is None)
+    assert client.proc.pid is not None
+    os.kill(client.proc.pid, signal.SIGSTOP)
+    assert "not answered" in wait_for(client.health_problem)
+    os.kill(client.proc.pid, signal.SIGCONT)
+    assert wait_for(lambda: client.health_problem() is None)

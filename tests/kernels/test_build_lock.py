@@ -1,0 +1,49 @@
+"""A kernel build killed midway leaves torch's `lock` baton behind; the next start must take it over
+instead of waiting forever."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessera import kernels
+
+# Takes the build lock, plants torch's baton as a builder would, then dies without cleaning up.
+KILLED_BUILDER = """
+import os, signal, sys
+from pathlib import Path
+from tessera.kernels import TORCH_BATON, build_lock
+
+build_dir = Path(sys.argv[1])
+with build_lock(build_dir):
+    (build_dir / TORCH_BATON).touch()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+LOAD_KERNELS = "from tessera.kernels import cpu_kernels; assert cpu_kernels() is not None"
+
+
+def test_baton_of_a_killed_builder_is_taken_over(tmp_path: Path) -> None:
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_BUILDER, str(tmp_path)], capture_output=True, timeout=60
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    assert (tmp_path / kernels.TORCH_BATON).exists()
+    with kernels.build_lock(tmp_path):  # the kernel released the dead builder's lock
+        assert not (tmp_path / kernels.TORCH_BATON).exists()
+
+
+@pytest.mark.skipif(not kernels.ENABLED, reason="CPU kernels disabled")
+def test_kernels_load_despite_a_stale_baton_in_the_real_build_folder() -> None:
+    # Built once per machine (other tests need it too); then loading takes seconds.
+    subprocess.run([sys.executable, "-c", LOAD_KERNELS], check=True, timeout=900)
+    build_dir = kernels._cache_root() / kernels.build_key()
+    with kernels.build_lock(build_dir):  # no live builder while the baton is planted
+        (build_dir / kernels.TORCH_BATON).touch()
+    # torch's FileBaton used to wait for this file forever.
+    subprocess.run([sys.executable, "-c", LOAD_KERNELS], check=True, timeout=120)
+    assert not (build_dir / kernels.TORCH_BATON).exists()
