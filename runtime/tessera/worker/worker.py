@@ -44,7 +44,10 @@ def select_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 def default_num_threads(local_world_size: int = 1) -> int:
-    """This process's share of the cores it may run on (its affinity mask, e.g. a container's)."""
+    """OMP_NUM_THREADS when set (e.g. a pod's env), else this process's share of the cores it may
+    run on (its affinity mask, e.g. a container's)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // local_world_size)
 
