@@ -7,8 +7,6 @@ on concurrent requests of different lengths with chunked prefill and preemption.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tessera import SamplingParams
@@ -49,39 +47,35 @@ TINY_WORKLOAD = Workload(
 SMOLLM2_WORKLOAD = Workload(
     prompts=prompts_of_varied_lengths(),
     params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2),
-    engine_args={"max_num_batched_tokens": 64, "num_kv_blocks": 40, "max_model_len": 256, "max_num_seqs": 16},
+    engine_args={"max_num_batched_tokens": 64, "num_kv_blocks": 14, "max_model_len": 128, "max_num_seqs": 16},
 )
 
 
-@pytest.fixture(scope="module")
-def tiny_reference(tiny_llama_dir: Path) -> Run:
-    reference = run(str(tiny_llama_dir), TINY_WORKLOAD)
-    assert reference.preemptions > 0, "the workload must preempt"
-    return reference
+CASES = [("tiny_llama_dir", TINY_WORKLOAD, layout) for layout in TINY_LAYOUTS] + [
+    ("smollm2_dir", SMOLLM2_WORKLOAD, layout) for layout in SMOLLM2_LAYOUTS
+]
+_references: dict[str, Run] = {}
 
 
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_dir: Path) -> Run:
-    reference = run(str(smollm2_dir), SMOLLM2_WORKLOAD)
-    assert reference.preemptions > 0, "the workload must preempt"
-    return reference
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", TINY_LAYOUTS, ids=label)
-def test_tiny_llama_layout_matches_single_rank(
-    tiny_llama_dir: Path, tiny_reference: Run, layout: dict[str, object]
-) -> None:
-    result = run(str(tiny_llama_dir), TINY_WORKLOAD, **layout)
-    for near_tie in compare(tiny_reference.outputs, result.outputs, label(layout)):
-        print("accepted near-tie:", near_tie)
+def reference_for(model: str, workload: Workload) -> Run:
+    """TP=1/PP=1 on the same workload, once per model (every layout of that model compares to it)."""
+    if model not in _references:
+        reference = run(model, workload)
+        assert reference.preemptions > 0, "the workload must preempt"
+        _references[model] = reference
+    return _references[model]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", SMOLLM2_LAYOUTS, ids=label)
-def test_smollm2_layout_matches_single_rank(
-    smollm2_dir: Path, smollm2_reference: Run, layout: dict[str, object]
+@pytest.mark.parametrize(
+    ("model_fixture", "workload", "layout"),
+    CASES,
+    ids=[f"{fixture.split('_')[0]}-{label(layout)}" for fixture, _, layout in CASES],
+)
+def test_layout_matches_single_rank(
+    request: pytest.FixtureRequest, model_fixture: str, workload: Workload, layout: dict[str, object]
 ) -> None:
-    result = run(str(smollm2_dir), SMOLLM2_WORKLOAD, **layout)
-    for near_tie in compare(smollm2_reference.outputs, result.outputs, label(layout)):
+    model = str(request.getfixturevalue(model_fixture))
+    result = run(model, workload, **layout)
+    for near_tie in compare(reference_for(model, workload).outputs, result.outputs, label(layout)):
         print("accepted near-tie:", near_tie)

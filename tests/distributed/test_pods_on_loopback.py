@@ -3,32 +3,17 @@ the operator's pod builder writes serve the `openai` client with single-rank gre
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from tessera import LLM, SamplingParams
 from tessera_operator.api import InferenceClusterSpec
 from tests.distributed.rank_processes import kill_all, rank_pod_processes, wait_all_exit
+from tests.serving.server import wait_healthy
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "Tensor parallelism splits"]
-
-
-def wait_healthy(port: int, procs: list, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        dead = [p.args for p in procs if p.poll() is not None]
-        assert not dead, f"a pod process exited during startup: {dead}"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("the leader never became healthy")
 
 
 @pytest.mark.slow
@@ -45,7 +30,7 @@ def test_operator_built_pods_serve_the_openai_client(tiny_llama_dir: Path, tmp_p
     )
     procs, port = rank_pod_processes(spec, tmp_path)
     try:
-        wait_healthy(port, procs)
+        wait_healthy(f"http://127.0.0.1:{port}", procs, 300)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         response = client.completions.create(
             model="tiny", prompt=PROMPTS, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}

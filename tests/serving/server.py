@@ -22,6 +22,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_healthy(
+    base_url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float, log: Path | None = None
+) -> None:
+    """Until ``base_url``/health answers 200; fails at once when one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                detail = log.read_text() if log is not None else ""
+                raise RuntimeError(f"{proc.args} exited with {proc.returncode} during startup\n{detail}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url} not healthy after {timeout_s:.0f} s")
+
+
 class ServerProcess:
     def __init__(self, model: Path | str, *extra_args: str, api_key: str | None = API_KEY, log: Path) -> None:
         self.port = free_port()
@@ -51,17 +70,7 @@ class ServerProcess:
             raise
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log_path.read_text()}")
+        wait_healthy(self.base_url, [self.proc], STARTUP_TIMEOUT_S, self.log_path)
 
     @property
     def headers(self) -> dict[str, str]:

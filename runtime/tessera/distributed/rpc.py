@@ -72,6 +72,9 @@ class LeaderChannel:
         self._outbox.connect(self._wake_addr)
         self._send_lock = threading.Lock()
         self.last_seen: dict[int, float] = {}
+        # Ranks held to the heartbeat deadline: those that finished starting (loading a model can
+        # starve a busy machine's threads for seconds; startup has its own timeout).
+        self.watched: set[int] = set()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rank-channel", daemon=True)
         self._thread.start()
@@ -81,6 +84,11 @@ class LeaderChannel:
         data = serialization.encode(payload)
         with self._send_lock:
             self._outbox.send_multipart([b",".join(str(r).encode() for r in ranks), kind, data])
+
+    def watch(self, rank: int) -> None:
+        """Hold ``rank`` to the heartbeat deadline from now on."""
+        self.last_seen[rank] = time.monotonic()
+        self.watched.add(rank)
 
     def broadcast(self, kind: bytes, payload: Any) -> None:
         self.send(list(range(self.world_size)), kind, payload)
@@ -110,7 +118,7 @@ class LeaderChannel:
                 next_ping = now + HEARTBEAT_INTERVAL_S
                 self._forward(list(self.last_seen), PING, serialization.encode(None))
             if not failed:
-                silent = [r for r, seen in self.last_seen.items() if now - seen > HEARTBEAT_TIMEOUT_S]
+                silent = [r for r in self.watched if now - self.last_seen.get(r, now) > HEARTBEAT_TIMEOUT_S]
                 if silent:
                     failed = True
                     self._on_failure(

@@ -133,6 +133,7 @@ class DistributedExecutor(Executor):
         if kind == rpc.HELLO:
             self._on_hello(rank, int(payload.get("pid", 0)))
         elif kind == rpc.READY:
+            self.channel.watch(rank)
             with self._lock:
                 self._ready[rank] = payload
                 self._lock.notify_all()

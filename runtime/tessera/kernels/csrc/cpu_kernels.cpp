@@ -324,11 +324,13 @@ torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The kernels touch no Python object: let other threads (heartbeats, sockets) run meanwhile.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("mkl_packed_gemm_available", &mkl_packed_gemm_available, "whether MKL's packed GEMM can be used");
-  m.def("mkl_pack_weight", &mkl_pack_weight, "pack an fp32 [N, K] weight for mkl_linear");
-  m.def("mkl_linear", &mkl_linear, "x @ weight.T (+ bias) with a packed weight");
-  m.def("paged_attention", &paged_attention, "attention over a paged KV cache (prefill, decode, mixed)");
-  m.def("rms_norm", &rms_norm, "RMSNorm, with the residual add fused in when a residual is given");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place");
+  m.def("mkl_pack_weight", &mkl_pack_weight, "pack an fp32 [N, K] weight for mkl_linear", nogil);
+  m.def("mkl_linear", &mkl_linear, "x @ weight.T (+ bias) with a packed weight", nogil);
+  m.def("paged_attention", &paged_attention, "attention over a paged KV cache (prefill, decode, mixed)", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm, with the residual add fused in when a residual is given", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place", nogil);
 }
