@@ -112,7 +112,7 @@ class LeaderChannel:
                 ranks, kind, data = self._inbox.recv_multipart()
                 self._forward([int(r) for r in ranks.split(b",")], kind, data)
             if self._router in events:
-                self._receive()
+                _drain(self._router, self._receive)
             now = time.monotonic()
             if now >= next_ping:
                 next_ping = now + HEARTBEAT_INTERVAL_S
@@ -132,8 +132,7 @@ class LeaderChannel:
             except zmq.ZMQError as exc:  # not connected (yet, or any more): heartbeats judge that
                 logger.debug("cannot send %s to rank %d: %s", kind.decode(), rank, exc)
 
-    def _receive(self) -> None:
-        frames = self._router.recv_multipart()
+    def _receive(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
             logger.warning("rank channel: dropped a message of %d frames", len(frames))
             return
@@ -176,6 +175,7 @@ class WorkerLink:
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._leader_seen: float | None = None
+        self._armed = False  # the leader-silence deadline holds once this rank is ready
         self._thread = threading.Thread(target=self._loop, name="leader-link", daemon=True)
         self._thread.start()
 
@@ -183,6 +183,12 @@ class WorkerLink:
         data = serialization.encode(payload)
         with self._send_lock:
             self._outbox.send_multipart([kind, data])
+
+    def arm(self) -> None:
+        """From now on a silent leader ends this process (before, a local rank dies with its parent
+        and a remote one waits for its leader at most the startup timeout)."""
+        self._leader_seen = time.monotonic()
+        self._armed = True
 
     def close(self) -> None:
         self._closed.set()
@@ -199,7 +205,7 @@ class WorkerLink:
             if self._inbox_sock in events:
                 self._dealer.send_multipart(self._inbox_sock.recv_multipart())
             if self._dealer in events:
-                self._receive()
+                _drain(self._dealer, self._receive)
             now = time.monotonic()
             if now >= next_beat:  # HELLO until the leader answers, then heartbeats
                 next_beat = now + HEARTBEAT_INTERVAL_S
@@ -207,14 +213,17 @@ class WorkerLink:
                 self._dealer.send_multipart(
                     [beat, serialization.encode({"rank": self.rank, "pid": os.getpid()})]
                 )
-            if self._leader_seen is not None and now - self._leader_seen > HEARTBEAT_TIMEOUT_S:
+            if (
+                self._armed
+                and self._leader_seen is not None
+                and now - self._leader_seen > HEARTBEAT_TIMEOUT_S
+            ):
                 logger.error(
                     "rank %d: the leader is gone (silent for %.0f s); exiting", self.rank, HEARTBEAT_TIMEOUT_S
                 )
                 os._exit(1)
 
-    def _receive(self) -> None:
-        frames = self._dealer.recv_multipart()
+    def _receive(self, frames: list[bytes]) -> None:
         self._leader_seen = time.monotonic()
         if len(frames) != 2:
             logger.warning("rank %d: dropped a message of %d frames from the leader", self.rank, len(frames))
@@ -232,3 +241,13 @@ class WorkerLink:
             self.inbox.put((FATAL, f"undecodable {kind[:16]!r} message: {exc}"))
             return
         self.inbox.put((kind, payload))
+
+
+def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:
+    """Handle every frame already queued: after a stall, a backlog is proof of life, not silence."""
+    while True:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        handle(frames)

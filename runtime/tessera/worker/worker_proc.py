@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import sys
 import traceback
 from pathlib import Path
@@ -24,6 +25,8 @@ RPC_ADDR_ENV = "TESSERA_RPC_ADDR"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_ENV = "TESSERA_LOCAL_WORLD_SIZE"
 # The only worker methods the leader may call (the RPC port is reachable from the network).
+# A pod may start long before its leader (image pulls, scheduling); then it gives up and exits 1.
+LEADER_WAIT_S = float(os.environ.get("TESSERA_RANK_STARTUP_TIMEOUT", "900"))
 CALLABLE = frozenset({"determine_num_blocks", "init_kv_cache", "comm_stats", "reset_comm_stats"})
 
 
@@ -64,7 +67,12 @@ def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[
     from tessera.distributed import rpc
     from tessera.worker.worker import Worker
 
-    kind, welcome = link.inbox.get()  # the WorkerLink exits the process if the leader never answers
+    try:
+        kind, welcome = link.inbox.get(timeout=LEADER_WAIT_S)
+    except queue.Empty:
+        raise TimeoutError(
+            f"no leader answered at {leader_rpc_addr(topology, environ)} in {LEADER_WAIT_S:.0f} s"
+        ) from None
     if kind != rpc.WELCOME:
         raise RuntimeError(f"expected WELCOME from the leader, got {kind!r}")
     config = EngineConfig.model_validate_json(welcome["config"])
@@ -80,6 +88,7 @@ def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[
         local_world_size=int(environ.get(LOCAL_WORLD_SIZE_ENV, "1")),
     )
     link.send(rpc.READY, {"rank": topology.rank, "max_model_len": worker.max_model_len})
+    link.arm()
     while True:
         kind, payload = link.inbox.get()
         if kind == rpc.EXECUTE:
