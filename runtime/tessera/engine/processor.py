@@ -63,6 +63,10 @@ class InputProcessor:
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
         self.extra_eos_token_ids = [t for t in (extra_eos_token_ids or []) if t != self.eos_token_id]
         self.vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+        # No token decodes to more characters than its vocabulary entry has (one per byte for
+        # byte-level BPE), so longer text cannot fit: refused without spending time tokenizing it.
+        longest_token = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_prompt_len * max(1, longest_token)
 
     @classmethod
     def from_model_dir(
@@ -92,6 +96,12 @@ class InputProcessor:
     ) -> list[int]:
         """Token ids of a prompt; InvalidParameterError for an empty, invalid or over-long one."""
         if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_chars:
+                raise InvalidParameterError(
+                    param,
+                    f"{param} has {len(prompt)} characters, more than the {self.max_prompt_len} tokens "
+                    f"a prompt may have can hold",
+                )
             try:
                 token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
             except (UnicodeError, TypeError) as exc:  # e.g. a lone UTF-16 surrogate

@@ -24,6 +24,7 @@ class ServingLimits:
     max_stop_string_length: int = 512
     max_stop_token_ids: int = 1024
     max_logprobs: int = 20
+    max_chat_messages: int = 4096
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServingLimits:
@@ -61,6 +62,12 @@ class ServingLimits:
                 logprobs_param, f"{logprobs_param} must be at most {self.max_logprobs}, got {params.logprobs}"
             )
 
+    def check_chat(self, num_messages: int) -> None:
+        if num_messages > self.max_chat_messages:
+            raise InvalidParameterError(
+                "messages", f"at most {self.max_chat_messages} messages per request, got {num_messages}"
+            )
+
 
 _HELP = {
     "max_request_body_size": "largest request body, checked before parsing (bytes, or 8MiB, 1GB, ...)",
@@ -72,6 +79,7 @@ _HELP = {
     "max_stop_string_length": "longest stop string, in characters",
     "max_stop_token_ids": "most stop token ids per request",
     "max_logprobs": "largest logprobs / top_logprobs (as vLLM's --max-logprobs)",
+    "max_chat_messages": "most messages in one /v1/chat/completions request",
 }
 
 

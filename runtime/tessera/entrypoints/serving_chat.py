@@ -59,6 +59,7 @@ async def create_chat_completion(
 ) -> Any:
     model = ctx.check_model(body.model)
     # Checked before templating and tokenizing (max_tokens defaults to the room the prompt leaves).
+    ctx.limits.check_chat(len(body.messages))
     ctx.check_params(
         body.to_sampling_params(ctx.engine.max_model_len), num_prompts=1, logprobs_param="top_logprobs"
     )
