@@ -45,7 +45,9 @@ def test_prompt_longer_than_one_step_is_400_without_chunked_prefill(strict_serve
 
 
 def test_waiting_room_counts_sequences_not_requests(strict_server: ServerProcess) -> None:
-    client = openai.OpenAI(base_url=f"{strict_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(
+        base_url=f"{strict_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60
+    )
 
     def long_stream(prompt: str) -> Any:
         return client.completions.create(
@@ -56,7 +58,9 @@ def test_waiting_room_counts_sequences_not_requests(strict_server: ServerProcess
     next(iter(running))  # it has a token: it holds the only running slot
     waiting = long_stream("second")  # admitted (nobody waits yet); it waits for the slot
     deadline = time.monotonic() + 30
-    while metric_value(httpx.get(f"{strict_server.base_url}/metrics").text, "tessera:num_requests_waiting") != 1:
+    while (
+        metric_value(httpx.get(f"{strict_server.base_url}/metrics").text, "tessera:num_requests_waiting") != 1
+    ):
         assert time.monotonic() < deadline, "the second request never showed up as waiting"
         time.sleep(0.1)
     try:

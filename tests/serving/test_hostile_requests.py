@@ -25,7 +25,10 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 def post(server: ServerProcess, path: str, body: dict[str, Any], timeout: float = 60) -> httpx.Response:
     return httpx.post(
-        f"{server.base_url}{path}", json={"model": MODEL_NAME, **body}, headers=server.headers, timeout=timeout
+        f"{server.base_url}{path}",
+        json={"model": MODEL_NAME, **body},
+        headers=server.headers,
+        timeout=timeout,
     )
 
 
@@ -65,7 +68,11 @@ def test_token_ids_outside_the_vocabulary_are_400(
         (COMPLETIONS, '{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}', "stop"),
         (COMPLETIONS, '{"model": "a\\ud800", "prompt": "hi"}', "model"),
         (CHAT, '{"model": "tiny", "messages": [{"role": "user", "content": "x\\ud83d"}]}', "messages"),
-        (CHAT, '{"model": "tiny", "messages": [{"role": "user", "content": "x", "name": "\\udc00"}]}', "messages"),
+        (
+            CHAT,
+            '{"model": "tiny", "messages": [{"role": "user", "content": "x", "name": "\\udc00"}]}',
+            "messages",
+        ),
     ],
 )
 def test_lone_surrogates_are_400(server: ServerProcess, path: str, body: str, param: str) -> None:

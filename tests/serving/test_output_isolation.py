@@ -23,7 +23,9 @@ def processors() -> tuple[InputProcessor, Any]:
     return InputProcessor(tokenizer, max_model_len=64), tokenizer
 
 
-def add(processor: OutputProcessor, inputs: InputProcessor, request_id: str, params: SamplingParams) -> list[str]:
+def add(
+    processor: OutputProcessor, inputs: InputProcessor, request_id: str, params: SamplingParams
+) -> list[str]:
     children = inputs.process(request_id, [1, 2, 3], params)
     processor.add_request(request_id, None, [1, 2, 3], params, children, RequestOutputKind.DELTA)
     return [child.request_id for child in children]
@@ -51,7 +53,9 @@ def test_a_failing_detokenizer_fails_its_request_only(
     assert set(result.failed) == {"bad"}
     assert "/some/file.py" not in str(result.failed["bad"])
     assert sorted(result.reqs_to_abort) == sorted(bad)  # both samples stop in the engine core
-    finish = processor.process_outputs(EngineCoreOutputs([EngineCoreOutput(good[0], [41], finish_reason=FINISH_LENGTH)]))
+    finish = processor.process_outputs(
+        EngineCoreOutputs([EngineCoreOutput(good[0], [41], finish_reason=FINISH_LENGTH)])
+    )
     assert finish.request_outputs[0].finished and not processor.has_unfinished_requests()
 
 

@@ -24,7 +24,12 @@ from tests.serving.server import MODEL_NAME, ServerProcess, metric_value
 def faulty_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("faulty-server") / "server.log"
     proc = ServerProcess(
-        tiny_llama_dir, "--max-model-len", "256", api_key=None, log=log, module="tests.serving.faulty_frontend"
+        tiny_llama_dir,
+        "--max-model-len",
+        "256",
+        api_key=None,
+        log=log,
+        module="tests.serving.faulty_frontend",
     )
     yield proc
     proc.stop()
@@ -39,7 +44,10 @@ def test_only_the_failing_request_fails(faulty_server: ServerProcess) -> None:
 
     def healthy(index: int) -> str:
         completion = client.completions.create(
-            model=MODEL_NAME, prompt=f"Once upon a time {index}", max_tokens=40, extra_body={"ignore_eos": True}
+            model=MODEL_NAME,
+            prompt=f"Once upon a time {index}",
+            max_tokens=40,
+            extra_body={"ignore_eos": True},
         )
         assert completion.choices[0].finish_reason == "length"
         return completion.choices[0].text
@@ -47,7 +55,9 @@ def test_only_the_failing_request_fails(faulty_server: ServerProcess) -> None:
     with ThreadPoolExecutor(4) as pool:
         others = [pool.submit(healthy, i) for i in range(4)]
         with pytest.raises(openai.InternalServerError) as info:
-            client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=40, stop=[FAIL_MARKER])
+            client.completions.create(
+                model=MODEL_NAME, prompt="Once upon a time", max_tokens=40, stop=[FAIL_MARKER]
+            )
         assert all(future.result() for future in others)
     error = info.value.body
     assert isinstance(error, dict) and error["type"] == "server_error" and error["code"] == 500

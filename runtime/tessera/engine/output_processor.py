@@ -108,12 +108,10 @@ class OutputProcessor:
         """Forget these parent requests; returns their child ids for the engine core to abort."""
         children: list[str] = []
         for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
-            if request is None:
-                continue
-            for child_id in request.sequences:
-                self.child_to_parent.pop(child_id, None)
-                children.append(child_id)
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._forget(request)
+                children.extend(request.sequences)
         return children
 
     def process_outputs(self, engine_outputs: EngineCoreOutputs) -> ProcessedOutputs:
@@ -131,14 +129,14 @@ class OutputProcessor:
             except Exception as exc:
                 updated.pop(parent_id, None)
                 self._fail(request, exc, result)
-        for parent_id, request in updated.items():
+        for request in updated.values():
             try:
-                output = self._output_of(request)
+                request_output = self._output_of(request)
             except Exception as exc:
                 self._fail(request, exc, result)
                 continue
-            if output is not None:
-                result.request_outputs.append(output)
+            if request_output is not None:
+                result.request_outputs.append(request_output)
         return result
 
     def _update(self, request: _Request, output: EngineCoreOutput, reqs_to_abort: list[str]) -> bool:
@@ -177,7 +175,9 @@ class OutputProcessor:
             logger.error("request %s failed: %s", request.request_id, exc)
         else:
             logger.exception("processing the output of request %s failed", request.request_id)
-            error = RequestFailedError(f"internal error while processing this request's output ({type(exc).__name__})")
+            error = RequestFailedError(
+                f"internal error while processing this request's output ({type(exc).__name__})"
+            )
         self._forget(request)
         result.failed[request.request_id] = error
         result.reqs_to_abort.extend(

@@ -120,7 +120,9 @@ class ServingContext:
             return self.served_model_names[0]
         raise APIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
 
-    def check_params(self, params: SamplingParams, num_prompts: int, logprobs_param: str = "logprobs") -> None:
+    def check_params(
+        self, params: SamplingParams, num_prompts: int, logprobs_param: str = "logprobs"
+    ) -> None:
         """The request's caps and the model's bounds (token ids, logprobs), before any work."""
         self.limits.check(params, num_prompts, logprobs_param)
         self.engine.processor.check_params(params)
@@ -145,7 +147,6 @@ class ServingContext:
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 headers={"Retry-After": "1"},
             )
-
 
 
 async def listen_for_disconnect(request: Request) -> None:
