@@ -99,8 +99,8 @@ class InputProcessor:
             if len(prompt) > self.max_prompt_chars:
                 raise InvalidParameterError(
                     param,
-                    f"{param} has {len(prompt)} characters, more than the {self.max_prompt_len} tokens "
-                    f"a prompt may have can hold",
+                    f"{param} has {len(prompt)} characters, more than fit in the {self.max_prompt_len} "
+                    f"tokens a prompt may have (this model's maximum context length is {self.max_model_len})",
                 )
             try:
                 token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
