@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+MAX_LOGPROBS = 20  # top logprobs per token the engine returns at most (vLLM's default cap)
+
 
 class InvalidParameterError(ValueError):
     """A request parameter out of bounds; `param` names it for the client."""
@@ -60,8 +62,8 @@ class SamplingParams:
             fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             fail(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            fail(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -7,10 +7,11 @@ operator's choices of how much one request may ask for, so one client cannot swa
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from tessera.engine.arg_utils import parse_size
-from tessera.sampling_params import InvalidParameterError, SamplingParams
+from tessera.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class ServingLimits:
     max_stop_strings: int = 64
     max_stop_string_length: int = 512
     max_stop_token_ids: int = 1024
-    max_logprobs: int = 20
+    max_logprobs: int = MAX_LOGPROBS
     max_chat_messages: int = 4096
 
     @classmethod
@@ -78,7 +79,7 @@ _HELP = {
     "max_stop_strings": "most stop strings per request",
     "max_stop_string_length": "longest stop string, in characters",
     "max_stop_token_ids": "most stop token ids per request",
-    "max_logprobs": "largest logprobs / top_logprobs (as vLLM's --max-logprobs)",
+    "max_logprobs": f"largest logprobs / top_logprobs, at most {MAX_LOGPROBS} (as vLLM's --max-logprobs)",
     "max_chat_messages": "most messages in one /v1/chat/completions request",
 }
 
@@ -88,17 +89,27 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     for field in fields(ServingLimits):
         group.add_argument(
             "--" + field.name.replace("_", "-"),
-            type=parse_size if field.name == "max_request_body_size" else _positive_int,
+            type=_TYPES.get(field.name, _positive_int),
             default=field.default,
             help=f"{_HELP[field.name]} (default: {field.default})",
         )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high or 'inf'}], got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_in(1)
+_TYPES: dict[str, Callable[[str], int]] = {
+    "max_request_body_size": parse_size,
+    "max_logprobs": _int_in(0, MAX_LOGPROBS),
+}
