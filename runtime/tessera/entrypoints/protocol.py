@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tessera.sampling_params import InvalidParameterError, SamplingParams
+from tessera.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
@@ -149,7 +149,7 @@ class SamplingFields(RequestModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1, le=INT32)
-    logprobs: int | None = Field(None, ge=0, le=INT32)  # capped by --max-logprobs
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
     logit_bias: dict[str, float] | None = None
@@ -229,7 +229,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, le=INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=INT32)  # capped by --max-logprobs
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None
