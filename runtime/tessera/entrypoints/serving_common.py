@@ -49,8 +49,9 @@ class APIError(Exception):
             return exc
         if isinstance(exc, InvalidParameterError):
             return cls(str(exc), HTTPStatus.BAD_REQUEST, param=exc.param)
-        if isinstance(exc, EngineDeadError):
-            return cls(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE)
+        if isinstance(exc, EngineDeadError):  # its text may hold the engine core's traceback
+            summary = str(exc).splitlines()[0].rstrip(":") if str(exc) else "no detail"
+            return cls(f"the engine died ({summary})", HTTPStatus.SERVICE_UNAVAILABLE)
         if isinstance(exc, RequestFailedError):
             return cls(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
         logger.error("request failed", exc_info=exc)
