@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+MAX_LOGPROBS = 20  # top logprobs per token the engine returns at most (vLLM's default cap)
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter out of bounds; `param` names it for the client."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
 
 @dataclass
 class SamplingParams:
@@ -35,8 +45,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def fail(message: str) -> None:
-            raise ValueError(message)
+        def fail(message: str) -> None:  # every message starts with its parameter's name
+            raise InvalidParameterError(message.split(" ", 1)[0], message)
 
         if not isinstance(self.n, int) or self.n < 1:
             fail(f"n must be an integer >= 1, got {self.n!r}")
@@ -52,8 +62,8 @@ class SamplingParams:
             fail(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             fail(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            fail(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            fail(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             fail(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -22,6 +22,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
 def wait_healthy(
     base_url: str, procs: list[subprocess.Popen[bytes]], timeout_s: float, log: Path | None = None
 ) -> None:
@@ -42,11 +45,18 @@ def wait_healthy(
 
 
 class ServerProcess:
-    def __init__(self, model: Path | str, *extra_args: str, api_key: str | None = API_KEY, log: Path) -> None:
+    def __init__(
+        self,
+        model: Path | str,
+        *extra_args: str,
+        api_key: str | None = API_KEY,
+        log: Path,
+        module: str = "tessera.cli",  # a test module may wrap the CLI (e.g. to inject faults)
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        args = [sys.executable, "-m", "tessera.cli", "serve", str(model), "--host", "127.0.0.1"]
+        args = [sys.executable, "-m", module, "serve", str(model), "--host", "127.0.0.1"]
         args += [
             "--port",
             str(self.port),
@@ -57,6 +67,7 @@ class ServerProcess:
             *extra_args,
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO_ROOT)]))
         env.pop("TESSERA_API_KEY", None)
         if api_key is not None:
             args += ["--api-key", api_key]

@@ -8,15 +8,8 @@ import httpx
 import openai
 import pytest
 
+from tests.serving.checks import assert_openai_error
 from tests.serving.server import MODEL_NAME, ServerProcess
-
-
-def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) >= {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
-    return error
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,11 @@ Tokenizes in the API process, hands requests to the engine core process through
 AsyncMPClient, and runs one output-handler task that detokenizes (OutputProcessor) and
 routes each request's outputs to the async generator its caller iterates. Closing or
 cancelling that generator (a client disconnect) aborts the request in the engine core,
-which frees its KV blocks. If the engine core dies, every open generator raises
-EngineDeadError and the registered callbacks run (the server then exits).
+which frees its KV blocks. A request that fails on its own (in output processing, or as the
+engine core reports) raises RequestFailedError from its generator and is aborted; the others
+go on. If the engine core dies, every open generator raises EngineDeadError and the
+registered callbacks run (the server then exits). Tokenizing and chat templating run on a
+thread of their own, so a long prompt never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -17,19 +20,27 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tessera.config import EngineConfig
 from tessera.engine.core_client import AsyncMPClient, EngineDeadError
 from tessera.engine.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
-from tessera.engine.output_processor import OutputProcessor, RequestOutputKind
-from tessera.engine.processor import InputProcessor, generation_eos_token_ids, load_tokenizer
+from tessera.engine.output_processor import FINISH_ERROR, OutputProcessor, RequestOutputKind
+from tessera.engine.processor import (
+    InputProcessor,
+    generation_eos_token_ids,
+    load_tokenizer,
+    max_prompt_tokens,
+    model_vocab_size,
+)
 from tessera.metrics import EngineMetrics
 from tessera.models.registry import resolve_model
 from tessera.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -67,8 +78,12 @@ class AsyncLLM:
                 tokenizer.result(),
                 self.max_model_len,
                 extra_eos_token_ids=generation_eos_token_ids(self.model_dir),
+                vocab_size=model_vocab_size(self.model_dir),
+                max_prompt_len=max_prompt_tokens(config, self.max_model_len),
             )
         self.tokenizer = self.processor.tokenizer
+        # One thread: the tokenizer is not safe to call from several threads at once.
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenizer")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name)
         self.last_stats = SchedulerStats()
@@ -94,6 +109,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self._handler is not None:
             self._handler.cancel()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self.core.shutdown()
 
     # --- load -----------------------------------------------------------------------------
@@ -107,12 +123,19 @@ class AsyncLLM:
         return max(0, len(self._timings) - self.last_stats.num_running_reqs)
 
     # --- requests -------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt; ValueError for an empty, invalid or over-long one."""
-        return self.processor.tokenize(prompt, add_special_tokens=add_special_tokens)
+    async def tokenize_async(
+        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of a prompt; InvalidParameterError for an empty, invalid or over-long one."""
+        return await self._off_loop(self.processor.tokenize, prompt, add_special_tokens, param)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return self.processor.render_chat(messages, add_generation_prompt)
+    async def render_chat_async(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        return await self._off_loop(self.processor.render_chat, messages, add_generation_prompt)
+
+    async def _off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, function, *args)
 
     async def generate(
         self,
@@ -187,8 +210,14 @@ class AsyncLLM:
             stream.queue.put_nowait(request_output)
             if request_output.finished:
                 del self._streams[request_output.request_id]
+        for request_id, error in processed.failed.items():
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.queue.put_nowait(error)
+                for child_id in stream.children:
+                    self._finish_child(child_id, FINISH_ERROR, now)
         if processed.reqs_to_abort:
-            # Stop strings end these in the frontend; the engine core must stop computing them.
+            # Stop strings (or a failure) end these in the frontend; the engine core must stop them.
             for child_id in processed.reqs_to_abort:
                 self._finish_child(child_id, "stop", now)
             self.core.abort_requests(processed.reqs_to_abort)

@@ -6,14 +6,27 @@ Shared by the offline LLM and the serving AsyncLLM, so both produce the same tex
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from tessera.engine.detokenizer import IncrementalDetokenizer, decode
-from tessera.engine.messages import FINISH_STOP, EngineCoreOutputs, EngineCoreRequest, TokenLogprobs
+from tessera.engine.errors import RequestFailedError
+from tessera.engine.messages import (
+    FINISH_ERROR,
+    FINISH_STOP,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    TokenLogprobs,
+)
 from tessera.outputs import CompletionOutput, Logprob, RequestOutput
 from tessera.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_ERROR_MESSAGE_CHARS = 300
 
 
 class RequestOutputKind(enum.Enum):
@@ -53,7 +66,9 @@ class _Request:
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
-    reqs_to_abort: list[str]  # child ids the engine core must stop (a stop string ended them)
+    reqs_to_abort: list[str]  # child ids the engine core must stop (a stop string or a failure ended them)
+    # Parent requests that failed in this step, with the error each caller gets; they are forgotten.
+    failed: dict[str, RequestFailedError] = field(default_factory=dict)
 
 
 class OutputProcessor:
@@ -92,49 +107,86 @@ class OutputProcessor:
         """Forget these parent requests; returns their child ids for the engine core to abort."""
         children: list[str] = []
         for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
-            if request is None:
-                continue
-            for child_id in request.sequences:
-                self.child_to_parent.pop(child_id, None)
-                children.append(child_id)
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._forget(request)
+                children.extend(request.sequences)
         return children
 
     def process_outputs(self, engine_outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """Per request, so a failure here (or one the engine core reports) ends that request alone."""
         updated: dict[str, _Request] = {}
-        reqs_to_abort: list[str] = []
+        result = ProcessedOutputs([], [])
         for output in engine_outputs.outputs:
             parent_id = self.child_to_parent.get(output.request_id)
             if parent_id is None:
-                continue  # aborted by the frontend meanwhile
+                continue  # aborted or failed meanwhile
             request = self.requests[parent_id]
-            sequence = request.sequences[output.request_id]
-            if sequence.finish_reason is not None:
+            try:
+                if self._update(request, output, result.reqs_to_abort):
+                    updated[parent_id] = request
+            except Exception as exc:
+                updated.pop(parent_id, None)
+                self._fail(request, exc, result)
+        for request in updated.values():
+            try:
+                request_output = self._output_of(request)
+            except Exception as exc:
+                self._fail(request, exc, result)
                 continue
-            request.num_cached_tokens = output.num_cached_tokens
-            stop_string = sequence.detokenizer.update(output.new_token_ids)
-            if output.new_logprobs is not None and sequence.num_logprobs is not None:
-                self._append_logprobs(sequence, output.new_token_ids, output.new_logprobs)
-            if stop_string is not None:
-                sequence.finish_reason, sequence.stop_reason = FINISH_STOP, stop_string
-                if output.finish_reason is None:
-                    reqs_to_abort.append(output.request_id)
-            elif output.finish_reason is not None:
-                sequence.detokenizer.flush()
-                sequence.finish_reason, sequence.stop_reason = output.finish_reason, output.stop_reason
-            updated[parent_id] = request
+            if request_output is not None:
+                result.request_outputs.append(request_output)
+        return result
 
-        request_outputs = []
-        for parent_id, request in updated.items():
-            finished = request.finished
-            if finished:
-                del self.requests[parent_id]
-                for child_id in request.sequences:
-                    self.child_to_parent.pop(child_id, None)
-            if request.kind == RequestOutputKind.FINAL_ONLY and not finished:
-                continue
-            request_outputs.append(self._make_output(request, finished))
-        return ProcessedOutputs(request_outputs, reqs_to_abort)
+    def _update(self, request: _Request, output: EngineCoreOutput, reqs_to_abort: list[str]) -> bool:
+        """Apply one child's new tokens; False when that child had already finished."""
+        sequence = request.sequences[output.request_id]
+        if sequence.finish_reason is not None:
+            return False
+        if output.finish_reason == FINISH_ERROR:
+            detail = (output.error or "unknown error").splitlines()[0]
+            raise RequestFailedError(f"the engine failed this request: {detail[:MAX_ERROR_MESSAGE_CHARS]}")
+        request.num_cached_tokens = output.num_cached_tokens
+        stop_string = sequence.detokenizer.update(output.new_token_ids)
+        if output.new_logprobs is not None and sequence.num_logprobs is not None:
+            self._append_logprobs(sequence, output.new_token_ids, output.new_logprobs)
+        if stop_string is not None:
+            sequence.finish_reason, sequence.stop_reason = FINISH_STOP, stop_string
+            if output.finish_reason is None:
+                reqs_to_abort.append(output.request_id)
+        elif output.finish_reason is not None:
+            sequence.detokenizer.flush()
+            sequence.finish_reason, sequence.stop_reason = output.finish_reason, output.stop_reason
+        return True
+
+    def _output_of(self, request: _Request) -> RequestOutput | None:
+        finished = request.finished
+        if request.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        output = self._make_output(request, finished)
+        if finished:
+            self._forget(request)
+        return output
+
+    def _fail(self, request: _Request, exc: Exception, result: ProcessedOutputs) -> None:
+        if isinstance(exc, RequestFailedError):
+            error = exc
+            logger.error("request %s failed: %s", request.request_id, exc)
+        else:
+            logger.exception("processing the output of request %s failed", request.request_id)
+            error = RequestFailedError(
+                f"internal error while processing this request's output ({type(exc).__name__})"
+            )
+        self._forget(request)
+        result.failed[request.request_id] = error
+        result.reqs_to_abort.extend(
+            child_id for child_id, seq in request.sequences.items() if seq.finish_reason is None
+        )
+
+    def _forget(self, request: _Request) -> None:
+        self.requests.pop(request.request_id, None)
+        for child_id in request.sequences:
+            self.child_to_parent.pop(child_id, None)
 
     def _append_logprobs(
         self, sequence: _Sequence, token_ids: list[int], logprobs: list[TokenLogprobs]

@@ -8,14 +8,28 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from tessera.config import EngineConfig
 from tessera.engine.messages import EngineCoreRequest
-from tessera.sampling_params import SamplingParams
+from tessera.sampling_params import InvalidParameterError, SamplingParams
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    """Rows of the embedding and columns of the logits: every token id must be below it."""
+    return int(AutoConfig.from_pretrained(str(model_dir)).get_text_config().vocab_size)
+
+
+def max_prompt_tokens(config: EngineConfig, max_model_len: int) -> int:
+    """The longest prompt the engine can ever schedule (one token of room to generate)."""
+    longest = max_model_len - 1
+    if not config.enable_chunked_prefill:
+        longest = min(longest, config.max_num_batched_tokens)  # a prompt must fit in one step
+    return longest
 
 
 def generation_eos_token_ids(model_dir: Path) -> list[int]:
@@ -40,17 +54,31 @@ class InputProcessor:
         max_model_len: int,
         eos_token_id: int | None = None,
         extra_eos_token_ids: list[int] | None = None,
+        vocab_size: int | None = None,
+        max_prompt_len: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.max_prompt_len = max_model_len - 1 if max_prompt_len is None else max_prompt_len
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
         self.extra_eos_token_ids = [t for t in (extra_eos_token_ids or []) if t != self.eos_token_id]
-        self.vocab_size = len(tokenizer)
+        self.vocab_size = len(tokenizer) if vocab_size is None else vocab_size
+        # No token decodes to more characters than its vocabulary entry has (one per byte for
+        # byte-level BPE), so longer text cannot fit: refused without spending time tokenizing it.
+        longest_token = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_prompt_len * max(1, longest_token)
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, max_model_len: int) -> InputProcessor:
-        tokenizer = load_tokenizer(model_dir)
-        return cls(tokenizer, max_model_len, extra_eos_token_ids=generation_eos_token_ids(model_dir))
+    def from_model_dir(
+        cls, model_dir: Path, max_model_len: int, config: EngineConfig | None = None
+    ) -> InputProcessor:
+        return cls(
+            load_tokenizer(model_dir),
+            max_model_len,
+            extra_eos_token_ids=generation_eos_token_ids(model_dir),
+            vocab_size=model_vocab_size(model_dir),
+            max_prompt_len=None if config is None else max_prompt_tokens(config, max_model_len),
+        )
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
@@ -63,22 +91,56 @@ class InputProcessor:
         assert isinstance(text, str)
         return text
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def tokenize(
+        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of a prompt; InvalidParameterError for an empty, invalid or over-long one."""
         if isinstance(prompt, str):
-            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+            if len(prompt) > self.max_prompt_chars:
+                raise InvalidParameterError(
+                    param,
+                    f"{param} has {len(prompt)} characters, more than fit in the {self.max_prompt_len} "
+                    f"tokens a prompt may have (this model's maximum context length is {self.max_model_len})",
+                )
+            try:
+                token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+            except (UnicodeError, TypeError) as exc:  # e.g. a lone UTF-16 surrogate
+                raise InvalidParameterError(param, f"{param} is not valid Unicode text") from exc
         else:
             token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            self.check_token_ids(token_ids, param)
         if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but this model's maximum context length is "
-                f"{self.max_model_len} (prompt plus at least one generated token)"
-            )
+            raise InvalidParameterError(param, f"{param} is empty")
+        if len(token_ids) > self.max_prompt_len:
+            raise InvalidParameterError(param, self._too_long_message(len(token_ids), param))
         return token_ids
+
+    def _too_long_message(self, num_tokens: int, param: str) -> str:
+        if self.max_prompt_len < self.max_model_len - 1:
+            return (
+                f"{param} has {num_tokens} tokens, but with chunked prefill off a prompt must fit in "
+                f"one step of max_num_batched_tokens={self.max_prompt_len} tokens"
+            )
+        return (
+            f"{param} has {num_tokens} tokens, but this model's maximum context length is "
+            f"{self.max_model_len} (prompt plus at least one generated token)"
+        )
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Every id must index the model's vocabulary (an unchecked one reaches a tensor index)."""
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidParameterError(
+                param, f"{param} must hold token ids in [0, {self.vocab_size}), got {bad[:5]}"
+            )
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What only the model can judge: token ids against its vocabulary."""
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidParameterError(
+                "logprobs", f"logprobs must be at most the vocabulary size {self.vocab_size}"
+            )
 
     def process(
         self,
@@ -88,6 +150,7 @@ class InputProcessor:
         arrival_time: float | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per sample: n>1 fans out to children with derived seeds."""
+        self.check_params(params)
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: `tessera serve MODEL [options]`.
 
 FastAPI + uvicorn in front of AsyncLLM. Errors always use OpenAI's error body; request
-validation failures are 400 (not FastAPI's 422). When the engine core dies, /health turns
-503, waiting callers get errors, and the process exits non-zero so a supervisor restarts it.
+validation failures are 400 (not FastAPI's 422); a body too large or too deep is refused
+before it is parsed (BodyGuard). A request that fails inside the server gets a 500 alone.
+When the engine core dies, /health turns 503, waiting callers get errors, and the process
+exits non-zero so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tessera.engine.arg_utils import engine_config_from_args
 from tessera.engine.async_llm import AsyncLLM
 from tessera.engine.core_client import EngineDeadError
+from tessera.engine.errors import RequestFailedError
+from tessera.entrypoints.body_guard import BodyGuard
+from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -40,6 +45,7 @@ from tessera.entrypoints.serve_args import add_serve_args
 from tessera.entrypoints.serving_chat import create_chat_completion
 from tessera.entrypoints.serving_common import APIError, ServingContext, error_response
 from tessera.entrypoints.serving_completions import create_completion
+from tessera.sampling_params import InvalidParameterError
 
 logger = logging.getLogger("tessera.api_server")
 
@@ -47,7 +53,7 @@ logger = logging.getLogger("tessera.api_server")
 DEAD_ENGINE_GRACE_S = 1.0
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)
 }
 
 
@@ -89,9 +95,15 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
 
+    # Failures of one request: a 4xx for bad parameters, a 500 for this request alone, a 503
+    # when the engine is gone; anything else is a bug, answered without its traceback.
+    @app.exception_handler(InvalidParameterError)
+    @app.exception_handler(RequestFailedError)
     @app.exception_handler(EngineDeadError)
-    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE)
+    @app.exception_handler(Exception)
+    async def on_failure(request: Request, exc: Exception) -> JSONResponse:
+        error = APIError.of(exc)
+        return error_response(error.message, error.status, error.param, error.headers)
 
     if api_key:
 
@@ -133,6 +145,10 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Any:
         return await create_chat_completion(ctx, body, raw_request)
 
+    limits = ctx.limits
+    app.add_middleware(
+        BodyGuard, max_body_size=limits.max_request_body_size, max_json_depth=limits.max_json_depth
+    )
     return app
 
 
@@ -145,7 +161,7 @@ def run_server(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model]
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
     engine = AsyncLLM(config, served_model_name=names[0])
-    ctx = ServingContext(engine, names, args.max_waiting_requests)
+    ctx = ServingContext(engine, names, args.max_waiting_requests, ServingLimits.from_args(args))
     app = build_app(ctx, api_key)
     server = uvicorn.Server(
         uvicorn.Config(

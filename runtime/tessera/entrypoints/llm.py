@@ -24,7 +24,9 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = EngineCore(self.config)
-        self.input_processor = InputProcessor.from_model_dir(self.engine.model_dir, self.engine.max_model_len)
+        self.input_processor = InputProcessor.from_model_dir(
+            self.engine.model_dir, self.engine.max_model_len, self.config
+        )
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self._request_counter = itertools.count()
 
@@ -101,6 +103,8 @@ class LLM:
                 processed = self.output_processor.process_outputs(self.engine.step())
                 if processed.reqs_to_abort:
                     self.engine.abort_requests(processed.reqs_to_abort)
+                for error in processed.failed.values():
+                    raise error
                 for output in processed.request_outputs:
                     finished[output.request_id] = output
                     progress.update(1)

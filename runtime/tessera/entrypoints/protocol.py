@@ -6,13 +6,14 @@ never an error deep in the engine (ints must fit msgpack; floats must be finite)
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tessera.sampling_params import SamplingParams
+from tessera.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
@@ -21,6 +22,31 @@ INT64 = 2**63 - 1
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored (the OpenAI SDK grows new ones); NaN/inf are rejected.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"); such text has no UTF-8 encoding."""
+    if isinstance(value, str):
+        return not value.isascii() and _LONE_SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list) and value and not isinstance(value[0], int):  # token ids hold no text
+        return any(_has_lone_surrogate(item) for item in value)
+    return False
+
+
+class RequestModel(OpenAIModel):
+    """A model of request input: all its text must be valid Unicode (tokenizers and JSON need it)."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        if _has_lone_surrogate(value):
+            raise ValueError("text must be valid Unicode (it holds a lone UTF-16 surrogate)")
+        return value
 
 
 class ErrorInfo(OpenAIModel):
@@ -48,7 +74,7 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
-class StreamOptions(OpenAIModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -70,7 +96,7 @@ class UsageInfo(OpenAIModel):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32)]], Field(min_length=1)]
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """Fields both endpoints share; `to_sampling_params` turns them into the engine's SamplingParams."""
 
     model: str | None = None
@@ -123,11 +149,18 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(16, ge=1, le=INT32)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must hold at least one prompt")
+        return prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -140,11 +173,11 @@ class CompletionRequest(SamplingFields):
 
     def to_sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (it must equal n when given)")
+            raise InvalidParameterError("best_of", "best_of is not supported (it must equal n when given)")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise InvalidParameterError("suffix", "suffix is not supported")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
@@ -175,12 +208,12 @@ class CompletionResponse(OpenAIModel):
 # --- /v1/chat/completions ----------------------------------------------------------------
 
 
-class TextContentPart(OpenAIModel):
+class TextContentPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -196,18 +229,18 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, le=INT32)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.tools:
-            raise ValueError("tools are not supported")
+            raise InvalidParameterError("tools", "tools are not supported")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs)

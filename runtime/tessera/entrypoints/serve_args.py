@@ -6,6 +6,7 @@ import argparse
 import os
 
 from tessera.engine.arg_utils import add_engine_args
+from tessera.entrypoints.limits import add_limit_args
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +26,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="answer 503 + Retry-After while more requests than this wait for the engine (default: no limit)",
+        help="answer 503 + Retry-After when a request's sequences (prompts x n) would join more than this "
+        "many waiting for the engine; a request is always admitted when none wait (default: no limit)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_limit_args(parser)
     add_engine_args(parser, exclude=("model",))
 
 

@@ -11,7 +11,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tessera.engine.core_client import EngineDeadError
 from tessera.engine.output_processor import RequestOutputKind
 from tessera.entrypoints.protocol import (
     ChatChoice,
@@ -27,12 +26,11 @@ from tessera.entrypoints.protocol import (
     UsageInfo,
 )
 from tessera.entrypoints.serving_common import (
-    SSE_DONE,
     APIError,
     ServingContext,
     cancel_on_disconnect,
-    error_body,
     sse,
+    sse_with_errors,
 )
 from tessera.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -60,27 +58,28 @@ async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request
 ) -> Any:
     model = ctx.check_model(body.model)
+    # Checked before templating and tokenizing (max_tokens defaults to the room the prompt leaves).
+    ctx.limits.check_chat(len(body.messages))
+    ctx.check_params(
+        body.to_sampling_params(ctx.engine.max_model_len), num_prompts=1, logprobs_param="top_logprobs"
+    )
     try:
-        prompt = ctx.engine.render_chat(body.chat_messages(), body.add_generation_prompt)
+        prompt = await ctx.engine.render_chat_async(body.chat_messages(), body.add_generation_prompt)
     except Exception as exc:  # the template is user-facing Jinja: any failure is the request's fault
         raise APIError(
             f"cannot apply the chat template: {exc}", HTTPStatus.BAD_REQUEST, param="messages"
         ) from exc
     # The template already holds the special tokens (BOS) it wants.
-    token_ids = ctx.tokenize(prompt, add_special_tokens=False, param="messages")
-    default_max_tokens = max(1, ctx.engine.max_model_len - len(token_ids))
-    try:
-        params = body.to_sampling_params(default_max_tokens)
-    except ValueError as exc:
-        raise APIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
-    ctx.check_admission()
+    token_ids = await ctx.engine.tokenize_async(prompt, add_special_tokens=False, param="messages")
+    params = body.to_sampling_params(max(1, ctx.engine.max_model_len - len(token_ids)))
+    ctx.check_admission(params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     generator = ctx.engine.generate(request_id, token_ids, params, prompt, kind)
     top_n = body.top_logprobs or 0
     if body.stream:
         return StreamingResponse(
-            _stream(ctx, body, model, request_id, generator, len(token_ids), top_n),
+            sse_with_errors(_stream(ctx, body, model, request_id, generator, len(token_ids), top_n)),
             media_type="text/event-stream",
         )
     final = await cancel_on_disconnect(raw_request, _last(generator))
@@ -106,8 +105,6 @@ async def _last(generator: AsyncGenerator[RequestOutput, None]) -> RequestOutput
     try:
         async for output in generator:
             final = output
-    except EngineDeadError as exc:
-        raise APIError(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE) from exc
     finally:
         await generator.aclose()
     assert final is not None
@@ -150,8 +147,5 @@ async def _stream(
             yield sse(
                 ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage)
             )
-    except EngineDeadError as exc:
-        yield sse(error_body(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE))
     finally:
         await generator.aclose()
-    yield SSE_DONE

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -14,7 +15,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from tessera.engine.async_llm import AsyncLLM
+from tessera.engine.core_client import EngineDeadError
+from tessera.engine.errors import RequestFailedError
+from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import ErrorInfo, ErrorResponse
+from tessera.sampling_params import InvalidParameterError, SamplingParams
+
+logger = logging.getLogger("tessera.api_server")
 
 T = TypeVar("T")
 
@@ -35,6 +42,21 @@ class APIError(Exception):
         self.param = param
         self.headers = headers
 
+    @classmethod
+    def of(cls, exc: Exception) -> APIError:
+        """The client's view of an exception: never a traceback or a file path."""
+        if isinstance(exc, APIError):
+            return exc
+        if isinstance(exc, InvalidParameterError):
+            return cls(str(exc), HTTPStatus.BAD_REQUEST, param=exc.param)
+        if isinstance(exc, EngineDeadError):  # its text may hold the engine core's traceback
+            summary = str(exc).splitlines()[0].rstrip(":") if str(exc) else "no detail"
+            return cls(f"the engine died ({summary})", HTTPStatus.SERVICE_UNAVAILABLE)
+        if isinstance(exc, RequestFailedError):
+            return cls(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
+        logger.error("request failed", exc_info=exc)
+        return cls(f"internal server error ({type(exc).__name__})", HTTPStatus.INTERNAL_SERVER_ERROR)
+
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -51,10 +73,17 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     ).model_dump()
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: any text (even a lone surrogate from a request) can be rendered."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(
     message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+    return _AsciiJSONResponse(error_body(message, status, param), status_code=status, headers=headers)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -69,38 +98,56 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The events, then [DONE]; a failure midway becomes one error event (the status is sent)."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        error = APIError.of(exc)
+        yield sse(error_body(error.message, error.status, error.param))
+    yield SSE_DONE
+
+
 @dataclass
 class ServingContext:
     engine: AsyncLLM
     served_model_names: list[str]
     max_waiting_requests: int | None = None
+    limits: ServingLimits = field(default_factory=ServingLimits)
 
     def check_model(self, model: str | None) -> str:
         if model is None or model in self.served_model_names:
             return self.served_model_names[0]
         raise APIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
 
-    def check_admission(self) -> None:
+    def check_params(
+        self, params: SamplingParams, num_prompts: int, logprobs_param: str = "logprobs"
+    ) -> None:
+        """The request's caps and the model's bounds (token ids, logprobs), before any work."""
+        self.limits.check(params, num_prompts, logprobs_param)
+        self.engine.processor.check_params(params)
+
+    def check_admission(self, num_sequences: int) -> None:
+        """503 while the engine is down, or when these sequences would overfill the waiting room.
+
+        The waiting room counts engine sequences (prompts x n); one request larger than the
+        whole room is still admitted when the room is empty, or it could never run.
+        """
         engine = self.engine
         if engine.dead_error is not None:
             raise APIError(
                 "the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"}
             )
-        if self.max_waiting_requests is not None and engine.num_waiting_requests > self.max_waiting_requests:
+        limit = self.max_waiting_requests
+        waiting = engine.num_waiting_requests
+        if limit is not None and waiting > 0 and waiting + num_sequences > limit:
             raise APIError(
-                f"the server is overloaded: {engine.num_waiting_requests} requests are waiting "
-                f"(limit {self.max_waiting_requests}); retry later",
+                f"the server is overloaded: {waiting} sequences are waiting and this request adds "
+                f"{num_sequences} (limit {limit}); retry later",
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 headers={"Retry-After": "1"},
             )
-
-    def tokenize(
-        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt"
-    ) -> list[int]:
-        try:
-            return self.engine.tokenize(prompt, add_special_tokens=add_special_tokens)
-        except ValueError as exc:
-            raise APIError(str(exc), HTTPStatus.BAD_REQUEST, param=param) from exc
 
 
 async def listen_for_disconnect(request: Request) -> None:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tessera.engine.core_client import EngineDeadError
 from tessera.engine.output_processor import RequestOutputKind
 from tessera.entrypoints.protocol import (
     CompletionChoice,
@@ -21,13 +19,11 @@ from tessera.entrypoints.protocol import (
     UsageInfo,
 )
 from tessera.entrypoints.serving_common import (
-    SSE_DONE,
-    APIError,
     ServingContext,
     cancel_on_disconnect,
-    error_body,
     merge_streams,
     sse,
+    sse_with_errors,
 )
 from tessera.outputs import CompletionOutput, Logprob, RequestOutput
 from tessera.sampling_params import SamplingParams
@@ -59,13 +55,14 @@ def completion_logprobs(
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Any:
     model = ctx.check_model(body.model)
-    try:
-        params = body.to_sampling_params()
-    except ValueError as exc:
-        raise APIError(str(exc), HTTPStatus.BAD_REQUEST) from exc
+    params = body.to_sampling_params()
     prompts = body.prompts()
-    token_lists = [ctx.tokenize(p) for p in prompts]
-    ctx.check_admission()
+    ctx.check_params(params, len(prompts))
+    token_lists = [
+        await ctx.engine.tokenize_async(p, param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        for i, p in enumerate(prompts)
+    ]
+    ctx.check_admission(len(prompts) * params.n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     texts = [p if isinstance(p, str) else None for p in prompts]
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
@@ -75,7 +72,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     ]
     if body.stream:
         return StreamingResponse(
-            _stream(ctx, body, params, model, request_id, generators, token_lists, texts),
+            sse_with_errors(_stream(ctx, body, params, model, request_id, generators, token_lists, texts)),
             media_type="text/event-stream",
         )
     finals = await cancel_on_disconnect(raw_request, _collect(generators))
@@ -102,11 +99,8 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
 
 async def _collect(generators: list[AsyncGenerator[RequestOutput, None]]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(generators)
-    try:
-        async for index, output in merge_streams(generators):
-            finals[index] = output
-    except EngineDeadError as exc:
-        raise APIError(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE) from exc
+    async for index, output in merge_streams(generators):
+        finals[index] = output
     return [f for f in finals if f is not None]
 
 
@@ -127,36 +121,30 @@ async def _stream(
     def chunk(choice: CompletionChoice) -> str:
         return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
 
-    try:
-        if body.echo:
-            for prompt_index, text in enumerate(texts):
-                for i in range(params.n):
-                    index = prompt_index * params.n + i
-                    text_offsets[index] = len(text or "")
-                    yield chunk(CompletionChoice(index=index, text=text or ""))
-        async for prompt_index, output in merge_streams(generators):
-            for completion in output.outputs:
-                index = prompt_index * params.n + completion.index
-                completion_tokens += len(completion.token_ids)
-                if not completion.text and completion.finish_reason is None and completion.logprobs is None:
-                    continue
-                offset = text_offsets.get(index, 0)
-                text_offsets[index] = offset + len(completion.text)
-                yield chunk(
-                    CompletionChoice(
-                        index=index,
-                        text=completion.text,
-                        logprobs=completion_logprobs(completion, offset, ctx.engine.tokenizer),
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                    )
+    if body.echo:
+        for prompt_index, text in enumerate(texts):
+            for i in range(params.n):
+                index = prompt_index * params.n + i
+                text_offsets[index] = len(text or "")
+                yield chunk(CompletionChoice(index=index, text=text or ""))
+    async for prompt_index, output in merge_streams(generators):
+        for completion in output.outputs:
+            index = prompt_index * params.n + completion.index
+            completion_tokens += len(completion.token_ids)
+            if not completion.text and completion.finish_reason is None and completion.logprobs is None:
+                continue
+            offset = text_offsets.get(index, 0)
+            text_offsets[index] = offset + len(completion.text)
+            yield chunk(
+                CompletionChoice(
+                    index=index,
+                    text=completion.text,
+                    logprobs=completion_logprobs(completion, offset, ctx.engine.tokenizer),
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
                 )
-        if body.stream_options is not None and body.stream_options.include_usage:
-            prompt_tokens = sum(len(ids) for ids in token_lists)
-            usage = UsageInfo.of(prompt_tokens, completion_tokens)
-            yield sse(
-                CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage)
             )
-    except EngineDeadError as exc:
-        yield sse(error_body(f"the engine died: {exc}", HTTPStatus.SERVICE_UNAVAILABLE))
-    yield SSE_DONE
+    if body.stream_options is not None and body.stream_options.include_usage:
+        prompt_tokens = sum(len(ids) for ids in token_lists)
+        usage = UsageInfo.of(prompt_tokens, completion_tokens)
+        yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
