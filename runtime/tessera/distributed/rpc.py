@@ -106,8 +106,12 @@ class LeaderChannel:
         poller.register(self._inbox, zmq.POLLIN)
         next_ping = time.monotonic()
         failed = False
+        lag = LagMeter()
         while not self._closed.is_set():
             events = dict(poller.poll(100))
+            stalled = lag.measure()
+            for rank in self.last_seen:  # asleep ourselves, we cannot blame a rank for silence
+                self.last_seen[rank] += stalled
             if self._inbox in events:
                 ranks, kind, data = self._inbox.recv_multipart()
                 self._forward([int(r) for r in ranks.split(b",")], kind, data)
@@ -200,8 +204,12 @@ class WorkerLink:
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._inbox_sock, zmq.POLLIN)
         next_beat = 0.0
+        lag = LagMeter()
         while not self._closed.is_set():
             events = dict(poller.poll(100))
+            stalled = lag.measure()
+            if self._leader_seen is not None:  # asleep ourselves, we cannot blame the leader
+                self._leader_seen += stalled
             if self._inbox_sock in events:
                 self._dealer.send_multipart(self._inbox_sock.recv_multipart())
             if self._dealer in events:
@@ -241,6 +249,22 @@ class WorkerLink:
             self.inbox.put((FATAL, f"undecodable {kind[:16]!r} message: {exc}"))
             return
         self.inbox.put((kind, payload))
+
+
+class LagMeter:
+    """How long this thread was kept from running beyond its poll interval (a machine-wide stall:
+    CPU or memory pressure stops every process, and no peer should be blamed for that)."""
+
+    EXPECTED_S = 0.5
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def measure(self) -> float:
+        now = time.monotonic()
+        stalled = max(0.0, now - self._last - self.EXPECTED_S)
+        self._last = now
+        return stalled
 
 
 def _drain(sock: zmq.Socket, handle: Callable[[list[bytes]], None]) -> None:

@@ -1,0 +1,46 @@
+"""The rank channel's watchdogs: a malformed message is dropped, not fatal; a stalled watchdog
+blames nobody for its own sleep."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from tessera.distributed import rpc
+from tessera.engine import serialization
+
+
+def test_a_lag_meter_reports_only_time_beyond_its_interval() -> None:
+    meter = rpc.LagMeter()
+    assert meter.measure() < 0.1
+    time.sleep(rpc.LagMeter.EXPECTED_S + 0.4)
+    assert 0.3 < meter.measure() < 1.0
+
+
+def test_malformed_frames_from_a_peer_are_dropped_and_the_channel_goes_on(tmp_path) -> None:
+    received: list[tuple[int, bytes, object]] = []
+    failures: list[str] = []
+    got = threading.Event()
+
+    def on_message(rank: int, kind: bytes, payload: object) -> None:
+        received.append((rank, kind, payload))
+        got.set()
+
+    addr = f"ipc://{tmp_path}/rpc"
+    channel = rpc.LeaderChannel([addr], 2, on_message, failures.append)
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"rank-1")
+    peer.connect(addr)
+    try:
+        peer.send_multipart([b"READY", b"\xc1not msgpack"])  # undecodable
+        peer.send_multipart([b"READY"])  # wrong frame count
+        peer.send_multipart([b"READY", serialization.encode({"rank": 1})])
+        assert got.wait(10)
+        assert received == [(1, b"READY", {"rank": 1})] and failures == []
+    finally:
+        peer.close(0)
+        context.term()
+        channel.close()
