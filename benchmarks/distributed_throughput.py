@@ -73,11 +73,11 @@ def workload(num_requests: int, prompt_len: int, seed: int = 0) -> list[dict[str
     ]
 
 
-def measure(layout: dict[str, Any], prompts: list[Any], output_len: int) -> dict[str, Any]:
+def measure(model: str, layout: dict[str, Any], prompts: list[Any], output_len: int) -> dict[str, Any]:
     from tessera import LLM, SamplingParams
 
     llm = LLM(
-        MODEL, num_threads=1, max_num_seqs=len(prompts), max_model_len=512, kv_cache_memory=1 << 30, **layout
+        model, num_threads=1, max_num_seqs=len(prompts), max_model_len=512, kv_cache_memory=1 << 30, **layout
     )
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     try:
@@ -153,7 +153,8 @@ def main() -> None:
 
 
 def plot(results: dict[str, dict[str, Any]]) -> None:
-    figure, (left, right) = new_figure(ncols=2, width=12)
+    figure, axes = new_figure(ncols=2, width=7)
+    left, right = axes[0]
     names = list(results)
     left.bar(range(len(names)), [results[n]["output_tokens_per_s"] for n in names], color="#4c72b0")
     left.set_xticks(range(len(names)), [n.replace(", ", "\n") for n in names], fontsize=8)
