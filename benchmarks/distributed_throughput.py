@@ -114,13 +114,21 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="16 requests of 32 tokens: a smoke run")
+    parser.add_argument(
+        "--layer-partition",
+        default=None,
+        help="layers per stage for the PP=2 settings, e.g. 17,13 (default: the engine's even split)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.output_len = 16, 32
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prompts = workload(args.num_requests, args.prompt_len)
     results = {}
+    partition = [int(n) for n in args.layer_partition.split(",")] if args.layer_partition else None
     for name, model, layout in SETTINGS:
+        if partition and layout.get("pipeline_parallel_size") == 2:
+            layout = {**layout, "layer_partition": partition}
         results[name] = measure(
             even_heads_model() if model == "even-heads" else model, layout, prompts, args.output_len
         )
@@ -135,6 +143,7 @@ def main() -> None:
     data = {
         "benchmark": "distributed_throughput",
         "model": MODEL,
+        "layer_partition": partition,
         "workload": {
             "num_requests": args.num_requests,
             "prompt_len": args.prompt_len,
@@ -148,11 +157,16 @@ def main() -> None:
         "meets_target": in_flight >= TARGET_PP_SPEEDUP,
     }
     print(f"PP=2 with batches in flight: {in_flight:.2f}x PP=1 (target {TARGET_PP_SPEEDUP}x)")
-    write_json("distributed_throughput", data)
-    plot(results)
+    write_json(
+        "distributed_throughput" + (f"_partition_{'_'.join(map(str, partition))}" if partition else ""), data
+    )
+    plot(
+        results,
+        "distributed_throughput" + (f"_partition_{'_'.join(map(str, partition))}" if partition else ""),
+    )
 
 
-def plot(results: dict[str, dict[str, Any]]) -> None:
+def plot(results: dict[str, dict[str, Any]], name: str) -> None:
     figure, axes = new_figure(ncols=2, width=7)
     left, right = axes[0]
     names = list(results)
@@ -185,7 +199,7 @@ def plot(results: dict[str, dict[str, Any]]) -> None:
     right.set_xlabel("share of the rank's step time")
     right.legend(fontsize=8)
     figure.suptitle("Tessera multi-rank throughput, SmolLM2-135M fp32")
-    save_figure("distributed_throughput", figure)
+    save_figure(name, figure)
 
 
 if __name__ == "__main__":
