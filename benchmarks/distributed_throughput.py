@@ -166,7 +166,7 @@ def main() -> None:
     )
 
 
-def plot(results: dict[str, dict[str, Any]], name: str) -> None:
+def plot(results: dict[str, dict[str, Any]], figure_name: str) -> None:
     figure, axes = new_figure(ncols=2, width=7)
     left, right = axes[0]
     names = list(results)
@@ -199,7 +199,7 @@ def plot(results: dict[str, dict[str, Any]], name: str) -> None:
     right.set_xlabel("share of the rank's step time")
     right.legend(fontsize=8)
     figure.suptitle("Tessera multi-rank throughput, SmolLM2-135M fp32")
-    save_figure(name, figure)
+    save_figure(figure_name, figure)
 
 
 if __name__ == "__main__":
