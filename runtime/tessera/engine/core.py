@@ -11,7 +11,6 @@ plain loop: schedule, execute, update.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -22,11 +21,9 @@ from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tessera.executor import make_executor
-from tessera.executor.base import ExecutorFailedError
 from tessera.models.registry import resolve_model
 from tessera.sampling_params import SamplingParams
 
-STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
 WARM_UP_REQUEST_ID = "tessera-warm-up"
 
 
@@ -70,7 +67,7 @@ class EngineCore:
         # Room for another batch in flight: fill the pipeline before waiting on the oldest.
         if self.batch_queue and not (submitted and len(self.batch_queue) < self.max_concurrent_batches):
             scheduler_output, future = self.batch_queue.popleft()
-            outputs = self.scheduler.update_from_output(scheduler_output, self._result(future))
+            outputs = self.scheduler.update_from_output(scheduler_output, self.executor.wait(future))
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.scheduler.make_stats(), timestamp=time.time()
         )
@@ -89,14 +86,6 @@ class EngineCore:
         assert isinstance(future, Future)
         self.batch_queue.append((scheduler_output, future))
         return True
-
-    def _result(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
-        try:
-            return future.result(timeout=STEP_TIMEOUT_S)
-        except TimeoutError:
-            raise ExecutorFailedError(
-                f"a step got no answer from the ranks in {STEP_TIMEOUT_S:.0f} s"
-            ) from None
 
     def check_health(self) -> None:
         """Raise when the ranks are gone, so an idle engine fails as promptly as a busy one."""

@@ -286,6 +286,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which shuts us down
     config = EngineConfig.model_validate_json(config_json)
     proc: EngineCoreProc | None = None
+    engine: Any = None
     try:
         if engine_core_cls is None:
             from tessera.engine.core import EngineCore
@@ -299,6 +300,7 @@ def run_engine_core(
     except SystemExit:
         if proc is not None:
             proc.close()
+        _shutdown_quietly(engine)
         raise
     except BaseException:
         error = traceback.format_exc()
@@ -307,7 +309,17 @@ def run_engine_core(
             # Failed while loading: the frontend is still waiting for READY; tell it why.
             proc = EngineCoreProc(_NoEngine(), input_addr, output_addr)
         proc.close(error)
+        _shutdown_quietly(engine)  # after the frontend knows: its callers get their errors first
         sys.exit(1)
+
+
+def _shutdown_quietly(engine: Any) -> None:
+    """Release what the engine holds (its ranks, their IPC folder) on the way out of a failure."""
+    if engine is not None:
+        try:
+            engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown failed")
 
 
 def _ready_info(engine: Any) -> dict[str, Any]:

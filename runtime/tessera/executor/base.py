@@ -8,11 +8,15 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
 
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
+
+# A step of the largest batches takes seconds; minutes without an answer means a hung rank.
+STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
 
 
 class ExecutorFailedError(RuntimeError):
@@ -34,6 +38,13 @@ class Executor(ABC):
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         """Run one step on every rank; the output (or, with ``non_block``, a future of it)."""
+
+    def wait(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """The output of a step submitted with ``non_block``; ExecutorFailedError when none comes."""
+        try:
+            return future.result(timeout=STEP_TIMEOUT_S)
+        except TimeoutError:
+            raise ExecutorFailedError(f"a step got no answer in {STEP_TIMEOUT_S:.0f} s") from None
 
     def check_health(self) -> None:  # noqa: B027 - optional hook
         """Raise ExecutorFailedError when a rank is gone (called while the engine is idle too)."""

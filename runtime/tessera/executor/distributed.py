@@ -18,6 +18,7 @@ import ctypes
 import itertools
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,7 +33,7 @@ from typing import Any
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.distributed import rpc
-from tessera.executor.base import Executor, ExecutorFailedError
+from tessera.executor.base import STEP_TIMEOUT_S, Executor, ExecutorFailedError
 from tessera.topology import Topology
 from tessera.worker.worker_proc import LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, RPC_ADDR_ENV
 
@@ -58,10 +59,13 @@ class DistributedExecutor(Executor):
         model_dir: Path,
         topology: Topology,
         local_ranks: list[int],
-        bind_addrs: list[str],
-        local_rpc_addr: str,
+        extra_bind_addrs: list[str],
         startup_timeout_s: float,
     ) -> None:
+        # Local ranks reach the leader over IPC in a folder of its own, removed at shutdown.
+        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
+        local_rpc_addr = f"ipc://{self._ipc_dir}/rpc"
+        bind_addrs = [local_rpc_addr, *extra_bind_addrs]
         self.config = config
         self.topology = topology
         self.world_size = topology.world_size
@@ -215,6 +219,9 @@ class DistributedExecutor(Executor):
         self.channel.broadcast(rpc.EXECUTE, {"step": step, "output": scheduler_output})
         return future if non_block else self._result(future, STEP_TIMEOUT_S, f"step {step}")
 
+    def wait(self, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
+        return self._result(future, STEP_TIMEOUT_S, "a step")
+
     def _result(self, future: Future[Any], timeout_s: float, what: str) -> Any:
         try:
             return future.result(timeout=timeout_s)
@@ -239,35 +246,17 @@ class DistributedExecutor(Executor):
                 proc.kill()
                 proc.wait()
         self.channel.close()
-
-
-# A step of the largest batches takes seconds; minutes without an answer means a hung rank.
-STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
 class MultiprocExecutor(DistributedExecutor):
     """Every rank a local process: `tessera serve MODEL --tp T --pp P` on one machine (IPC)."""
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
-        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
-        addr = f"ipc://{self._ipc_dir}/rpc"
         topology = Topology(layout=config.parallel, leader_addr="127.0.0.1", dist_port=_free_port())
         super().__init__(
-            config,
-            model_dir,
-            topology,
-            list(range(topology.world_size)),
-            [addr],
-            addr,
-            LOCAL_STARTUP_TIMEOUT_S,
+            config, model_dir, topology, list(range(topology.world_size)), [], LOCAL_STARTUP_TIMEOUT_S
         )
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        with contextlib.suppress(OSError):
-            for item in Path(self._ipc_dir).iterdir():
-                item.unlink()
-            os.rmdir(self._ipc_dir)
 
 
 class RemoteRanksExecutor(DistributedExecutor):
@@ -280,16 +269,8 @@ class RemoteRanksExecutor(DistributedExecutor):
             )
         if topology.layout != config.parallel:
             raise ValueError(f"engine layout {config.parallel} differs from the topology's {topology.layout}")
-        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
-        local = f"ipc://{self._ipc_dir}/rpc"
         super().__init__(
-            config,
-            model_dir,
-            topology,
-            [0],
-            [local, f"tcp://*:{topology.rpc_port}"],
-            local,
-            REMOTE_STARTUP_TIMEOUT_S,
+            config, model_dir, topology, [0], [f"tcp://*:{topology.rpc_port}"], REMOTE_STARTUP_TIMEOUT_S
         )
 
 
