@@ -1,7 +1,8 @@
 """One pod on the node agent: its sandbox, its containers as local process groups, probes, status.
 
-Each container runs as `ip netns exec <netns> unshare --uts -- sh -c 'hostname H; exec CMD'` in a
-session of its own, so its whole process tree shares one process group that can be signalled.
+Each container runs as `ip netns exec <netns> unshare --uts --mount -- sh -c 'MOUNTS; hostname H;
+exec CMD'` in a session of its own, so its whole process tree shares one process group that can be
+signalled, and sees its volumes (`e2e.pod_mounts`) in a mount namespace that dies with it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from e2e import podnet
+from e2e import pod_mounts, podnet
 from e2e.container_spec import ContainerConfigError, container_argv, container_env
 from e2e.kube_api import KubeApi
 
@@ -160,11 +161,15 @@ class PodRuntime:
         argv = container_argv(container.spec, container.env)
         cwd = container.spec.get("workingDir") or str(self.dir)
         Path(cwd).mkdir(parents=True, exist_ok=True)
-        sandbox_exec = [podnet.IP, "netns", "exec", self.sandbox.netns, "unshare", "--uts", "--"]
+        mounts = pod_mounts.container_mounts(self.pod, container.spec, self.dir)
+        pod_mounts.ensure_mount_points(mounts)
+        script = pod_mounts.mount_prologue(mounts, pod_mounts.read_only_root(container.spec))
+        sandbox_exec = [podnet.IP, "netns", "exec", self.sandbox.netns]
+        sandbox_exec += ["unshare", "--uts", "--mount", "--propagation", "private", "--"]
         log = open(self.dir / f"{container.name}.log", "ab")  # noqa: SIM115 (the child holds it)
         with log:
             container.process = subprocess.Popen(
-                [*sandbox_exec, "sh", "-c", _SET_HOSTNAME_AND_EXEC, self.sandbox.hostname, *argv],
+                [*sandbox_exec, "sh", "-c", script + _SET_HOSTNAME_AND_EXEC, self.sandbox.hostname, *argv],
                 env=container.env,
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,

@@ -54,7 +54,7 @@ def test_schema_rejects_types_and_ranges(
 
 
 def test_examples_pass_server_side_validation(crds: Any, k8s_namespace: str) -> None:
-    for example in ("smollm2-local.yaml", "llama-70b-gpu.yaml", "networkpolicy.yaml"):
+    for example in ("smollm2.yaml", "llama-70b-gpu.yaml", "networkpolicy.yaml"):
         crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(ROOT / "examples" / example))
 
 

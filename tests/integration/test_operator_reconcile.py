@@ -32,7 +32,7 @@ def env_of(pod: dict[str, Any]) -> dict[str, str]:
 def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_namespace: str) -> None:
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns):
-        apply_example(cluster, ns, "smollm2-local.yaml")
+        apply_example(cluster, ns, "smollm2.yaml")
         expected = {f"smollm2-g0-s{s}-t{t}" for s in range(2) for t in range(3)}
         wait_for(lambda: pod_names(cluster, ns) == expected, "6 rank pods")
         obj = ic(cluster, ns, "smollm2")
@@ -89,7 +89,7 @@ def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_na
 def test_scale_adds_and_removes_whole_groups(crds: Any, k8s_namespace: str) -> None:
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns), FakeKubelet(cluster, ns):
-        apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL)
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL)
         wait_for(lambda: len(pod_names(cluster, ns)) == 4, "group 0")
         cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=3")
         wait_for(lambda: len(pod_names(cluster, ns)) == 12, "3 groups")
@@ -106,7 +106,7 @@ def test_failed_pod_restarts_its_whole_group_with_backoff(crds: Any, k8s_namespa
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns), FakeKubelet(cluster, ns):
         apply_example(
-            cluster, ns, "smollm2-local.yaml", parallelism=SMALL, replicas=2, restartPolicy=FAST_RESTART
+            cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2, restartPolicy=FAST_RESTART
         )
         wait_for(
             lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 2, "2 ready groups"
@@ -150,7 +150,7 @@ def test_failed_pod_restarts_its_whole_group_with_backoff(crds: Any, k8s_namespa
 def test_deleted_pod_and_edited_service_are_put_back(crds: Any, k8s_namespace: str) -> None:
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns), FakeKubelet(cluster, ns):
-        apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL, restartPolicy=FAST_RESTART)
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, restartPolicy=FAST_RESTART)
         wait_for(lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 1, "ready")
         cluster.kubectl("delete", "svc", "smollm2-ranks", "-n", ns)
         cluster.kubectl(
@@ -188,7 +188,7 @@ def test_operator_restart_creates_no_duplicates_and_removes_strays(crds: Any, k8
     cluster, ns = crds, k8s_namespace
     with FakeKubelet(cluster, ns):
         with running_operator(cluster, ns):
-            apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL, replicas=2)
+            apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
             wait_for(lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 2, "ready")
         before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
         stray = pods(cluster, ns)[0]
@@ -209,7 +209,7 @@ def test_operator_restart_creates_no_duplicates_and_removes_strays(crds: Any, k8
 def test_deleting_the_cluster_garbage_collects_everything(crds: Any, k8s_namespace: str) -> None:
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns):
-        apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL, replicas=2)
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
         wait_for(lambda: len(pod_names(cluster, ns)) == 8, "8 pods")
         cluster.kubectl("delete", "ic", "smollm2", "-n", ns)
         wait_for(lambda: not pod_names(cluster, ns), "pods collected", timeout=60)
@@ -226,7 +226,7 @@ def test_cluster_wide_operator_serves_any_namespace(crds: Any, k8s_namespace: st
     wait_for(lambda: cluster.service_account_ready(other), "default ServiceAccount (pods need it)")
     try:
         with running_operator(cluster, ns, cluster_wide=True):
-            apply_example(cluster, other, "smollm2-local.yaml", parallelism=SMALL)
+            apply_example(cluster, other, "smollm2.yaml", parallelism=SMALL)
             wait_for(lambda: len(pod_names(cluster, other)) == 4, "pods in another namespace")
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)

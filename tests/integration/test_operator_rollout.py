@@ -58,7 +58,7 @@ def test_rolling_update_replaces_groups_one_at_a_time(crds: Any, k8s_namespace: 
     cluster, ns = crds, k8s_namespace
     rollout = {"maxUnavailable": 1, "maxSurge": 0}
     with running_operator(cluster, ns), FakeKubelet(cluster, ns):
-        apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL, replicas=2, rollout=rollout)
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2, rollout=rollout)
         wait_for(lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 2, "2 ready")
         trace = roll(cluster, ns, replicas=2)
         new = ic(cluster, ns, "smollm2")["status"]["updateRevision"]
@@ -80,7 +80,7 @@ def test_one_replica_with_max_surge_one_keeps_serving_and_finishes(crds: Any, k8
     cluster, ns = crds, k8s_namespace
     rollout = {"maxUnavailable": 0, "maxSurge": 1}
     with running_operator(cluster, ns), FakeKubelet(cluster, ns):
-        apply_example(cluster, ns, "smollm2-local.yaml", parallelism=SMALL, replicas=1, rollout=rollout)
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=1, rollout=rollout)
         wait_for(lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 1, "ready")
         trace = roll(cluster, ns, replicas=1)
         assert any(1 in snap for snap in trace), "a surge group carried the load"

@@ -43,7 +43,7 @@ def test_the_network_policy_selects_the_pods_the_operator_builds() -> None:
     policies = {d["metadata"]["name"]: d["spec"] for p, d in DOCS if p.name == "networkpolicy.yaml"}
     ranks, clients = policies["smollm2-ranks"], policies["smollm2-clients"]
     spec = InferenceClusterSpec.model_validate(
-        yaml.safe_load((EXAMPLES_DIR / "smollm2-local.yaml").read_text())["spec"]
+        yaml.safe_load((EXAMPLES_DIR / "smollm2.yaml").read_text())["spec"]
     )
     pods = builders.build_group(builders.ClusterRef("smollm2", "ns", "u"), spec, "r", 0)
     labels = [p["metadata"]["labels"] for p in pods]

@@ -4,7 +4,9 @@ The build is keyed on the source, torch's version and this CPU's instruction set
 compiled with ``-march=native``), under ``~/.cache/tessera/kernels/`` (``TESSERA_CACHE``
 moves it), so a machine compiles once, in about a minute, and loads in milliseconds after.
 Without a C++ compiler ``cpu_kernels()`` returns None, and with ``TESSERA_CPU_KERNELS=0`` it
-is not used: the model then runs its ATen formulation, same results, slower.
+is not used: the model then runs its ATen formulation, same results, slower. A build found
+under the read-only prebuilt cache (``TESSERA_PREBUILT_CACHE``, where an image bakes it in) is
+loaded as is, without locking or compiling.
 
 The cache survives a process killed at any point: builds and loads of one build folder take
 an fcntl lock (released by the kernel when its holder dies), so torch's own ``lock`` file
@@ -18,6 +20,8 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import platform
@@ -68,6 +72,22 @@ def build_key() -> str:
 
 def _cache_root() -> Path:
     return Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")) / "kernels"
+
+
+def _load_prebuilt(key: str) -> ModuleType | None:
+    """The extension module an image compiled for this exact key, if there is one."""
+    from tessera.models.registry import prebuilt_cache_root
+
+    name = f"tessera_cpu_kernels_{key}"
+    path = prebuilt_cache_root() / "kernels" / key / f"{name}.so"
+    if not path.is_file():
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
 def _put_ninja_on_path() -> None:
@@ -126,6 +146,9 @@ def cpu_kernels() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     key = build_key()
+    prebuilt = _load_prebuilt(key)
+    if prebuilt is not None:
+        return prebuilt
     build_dir = _cache_root() / key
     _put_ninja_on_path()
     try:

