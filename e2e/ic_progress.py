@@ -1,0 +1,59 @@
+"""An InferenceCluster's progress as one line (group phases, pod phases), and waiting for Ready.
+
+Everything is read through kubectl (`get_json(*args)` returns `kubectl get ARGS -o json` decoded),
+so the demo, the end-to-end tests and the benchmark watch a cluster the way a user would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+GetJson = Callable[..., Any]
+
+
+def ready_condition(ic: dict[str, Any]) -> bool:
+    conditions = ic.get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def live_pods(get_json: GetJson, namespace: str, name: str) -> list[dict[str, Any]]:
+    items = get_json("get", "pods", "-n", namespace, "-l", f"tessera.dev/cluster={name}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def progress(get_json: GetJson, namespace: str, name: str) -> tuple[bool, str]:
+    """(Ready?, one line: the Ready condition, each group's phase, pods by phase)."""
+    ic = get_json("get", "ic", name, "-n", namespace)
+    groups = ic.get("status", {}).get("groups") or []
+    group_text = " ".join(f"g{g['index']}={g.get('phase', '?')}" for g in groups) or "-"
+    pods = live_pods(get_json, namespace, name)
+    phases = Counter(p.get("status", {}).get("phase", "Pending") for p in pods)
+    pod_text = ", ".join(f"{count} {phase}" for phase, count in sorted(phases.items())) or "none"
+    ready = ready_condition(ic)
+    return ready, f"{name}: {'Ready' if ready else 'not ready'}; groups {group_text}; pods {pod_text}"
+
+
+def wait_until_ready(
+    get_json: GetJson,
+    namespace: str,
+    name: str,
+    timeout: float,
+    report: Callable[[str], None] | None = None,
+    interval: float = 1.0,
+) -> float:
+    """Seconds until the Ready condition is True; `report` gets each changed progress line."""
+    started = time.monotonic()
+    last = ""
+    while True:
+        ready, line = progress(get_json, namespace, name)
+        if report is not None and line != last:
+            report(f"[{time.monotonic() - started:6.1f}s] {line}")
+            last = line
+        if ready:
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"{namespace}/{name} not Ready after {timeout:.0f}s: {line}")
+        time.sleep(interval)
