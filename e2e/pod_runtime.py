@@ -159,7 +159,8 @@ class PodRuntime:
     def _spawn(self, container: Container) -> None:
         assert self.sandbox is not None
         argv = container_argv(container.spec, container.env)
-        cwd = container.spec.get("workingDir") or str(self.dir)
+        # An image's default working directory; the pod's state dir would be hidden under /tmp's mount.
+        cwd = container.spec.get("workingDir") or "/"
         Path(cwd).mkdir(parents=True, exist_ok=True)
         mounts = pod_mounts.container_mounts(self.pod, container.spec, self.dir)
         pod_mounts.ensure_mount_points(mounts)
