@@ -1,0 +1,217 @@
+"""The product end to end on the local Kubernetes: kubectl, the chart-configured operator, the rank
+pods run by the node agent, the client Service, the `openai` client.
+
+One module shares one full local cluster and one operator; the tests run in file order on the
+demo InferenceCluster (examples/smollm2.yaml: pipeline 2 x tensor 3, sequence parallel), then on
+a small one for the rollout (2 replicas of pipeline 2), so no two large groups run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from e2e import podnet
+from e2e.chart_operator import ChartOperator, start_chart_operator
+from e2e.ic_progress import live_pods, wait_until_ready
+from e2e.local_cluster import LocalCluster
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
+NAME = DEMO["metadata"]["name"]
+SERVED = DEMO["spec"]["model"]["servedName"]
+READY_TIMEOUT = 420.0
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three primary colors are"]
+MAX_TOKENS = 16
+
+
+class Ctx:
+    def __init__(self, cluster: LocalCluster, namespace: str) -> None:
+        self.cluster, self.ns = cluster, namespace
+
+    def get_json(self, *args: str) -> Any:
+        return json.loads(self.cluster.kubectl(*args, "-o", "json").stdout)
+
+    def apply(self, doc: dict[str, Any]) -> None:
+        self.cluster.kubectl("apply", "-n", self.ns, "-f", "-", input=yaml.safe_dump(doc))
+
+    def wait_ready(self, name: str) -> float:
+        return wait_until_ready(self.get_json, self.ns, name, READY_TIMEOUT, report=print, interval=1)
+
+    def client(self, name: str, **options: Any) -> openai.OpenAI:
+        url = self.cluster.expose(self.ns, name, 8000)
+        return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", **options)
+
+
+@pytest.fixture(scope="module")
+def operator(local_cluster_full: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChartOperator]:
+    running = start_chart_operator(local_cluster_full, tmp_path_factory.mktemp("operator"))
+    try:
+        yield running
+    finally:
+        running.stop()
+        if os.environ.get("TESSERA_KEEP_OPERATOR_LOGS") is None:
+            print(running.log_path.read_text(errors="replace")[-4000:])
+
+
+@pytest.fixture(scope="module")
+def demo(local_cluster_full: LocalCluster, operator: ChartOperator) -> Iterator[Ctx]:
+    """examples/smollm2.yaml applied as is, Ready."""
+    namespace = "e2e-demo"
+    local_cluster_full.kubectl("create", "namespace", namespace, check=False)
+    ctx = Ctx(local_cluster_full, namespace)
+    ctx.apply(DEMO)
+    ctx.wait_ready(NAME)
+    yield ctx
+    local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def greedy(client: openai.OpenAI) -> list[str]:
+    return [
+        client.completions.create(model=SERVED, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+        for p in PROMPTS
+    ]
+
+
+def container_pid(pod: dict[str, Any]) -> int:
+    """The node agent's container id is the pid of the container's (exec'd) command."""
+    return int(pod["status"]["containerStatuses"][0]["containerID"].removeprefix("tessera://"))
+
+
+def test_demo_spec_is_ready_after_rendezvous_and_answers_like_one_process(demo: Ctx) -> None:
+    from tessera import LLM, SamplingParams
+
+    pods = live_pods(demo.get_json, demo.ns, NAME)
+    assert len(pods) == 6 and all(p["status"]["phase"] == "Running" for p in pods)
+    leader = next(p for p in pods if p["metadata"]["labels"]["tessera.dev/role"] == "leader")
+    log = demo.cluster.container_log(demo.ns, leader["metadata"]["name"], "rank")
+    assert "6 ranks ready" in log, log[-3000:]  # the engine core saw every rank join
+
+    served = greedy(demo.client(NAME))
+    llm = LLM(DEMO["spec"]["model"]["source"], dtype="float32", max_model_len=512, num_threads=1)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        reference = [r.outputs[0].text for r in llm.generate(PROMPTS, params)]
+    finally:
+        llm.engine.shutdown()
+    assert served == reference
+
+
+def test_each_stage_tp_ranks_share_one_node(demo: Ctx) -> None:
+    nodes_by_stage: dict[str, set[str]] = {}
+    for pod in live_pods(demo.get_json, demo.ns, NAME):
+        stage = pod["metadata"]["labels"]["tessera.dev/stage"]
+        nodes_by_stage.setdefault(stage, set()).add(pod["spec"]["nodeName"])
+    assert sorted(nodes_by_stage) == ["0", "1"]
+    assert all(len(nodes) == 1 for nodes in nodes_by_stage.values()), nodes_by_stage
+
+
+def test_killed_worker_rank_fails_in_flight_requests_then_group_is_recreated(demo: Ctx) -> None:
+    client = demo.client(NAME, max_retries=0, timeout=60)
+    before = live_pods(demo.get_json, demo.ns, NAME)
+    victim = next(p for p in before if p["metadata"]["name"].endswith("-s1-t1"))
+    outcomes: list[str] = []
+    streaming = threading.Event()
+
+    def long_request() -> None:
+        try:
+            stream = client.completions.create(
+                model=SERVED, prompt="Tell me a long story.", max_tokens=1500, temperature=0, stream=True
+            )
+            for _ in stream:
+                streaming.set()
+            outcomes.append("completed")
+        except openai.APIError as error:
+            outcomes.append(f"error: {type(error).__name__}")
+
+    requests = [threading.Thread(target=long_request) for _ in range(2)]
+    for thread in requests:
+        thread.start()
+    assert streaming.wait(60), "no request started streaming"
+    os.kill(container_pid(victim), signal.SIGKILL)
+    for thread in requests:
+        thread.join(timeout=30)
+    assert not any(t.is_alive() for t in requests), "an in-flight request hangs after a rank died"
+    assert outcomes and all(o.startswith("error") for o in outcomes), outcomes
+
+    demo.wait_ready(NAME)
+    uids_before = {p["metadata"]["uid"] for p in before}
+    after = live_pods(demo.get_json, demo.ns, NAME)
+    assert len(after) == 6 and not uids_before & {p["metadata"]["uid"] for p in after}
+    assert len(greedy(demo.client(NAME, max_retries=0))) == len(PROMPTS)
+
+
+def test_delete_removes_every_pod_and_process(demo: Ctx) -> None:
+    pods = live_pods(demo.get_json, demo.ns, NAME)
+    pids = [container_pid(p) for p in pods]
+    demo.cluster.kubectl("delete", "ic", NAME, "-n", demo.ns, "--wait=true", "--timeout=120s")
+    deadline = time.monotonic() + 90
+    while demo.get_json("get", "pods", "-n", demo.ns)["items"] or any(Path(f"/proc/{p}").exists() for p in pids):
+        assert time.monotonic() < deadline, "pods or their processes outlived `kubectl delete ic`"
+        time.sleep(1)
+    prefix = podnet.name_prefix(demo.cluster.agent_id)
+    leftover = [ns for ns in podnet.ip("netns", "list").split() if ns.startswith(prefix) and demo.ns in ns]
+    assert leftover == []
+
+
+def test_rollout_of_two_groups_keeps_answering_every_request(
+    local_cluster_full: LocalCluster, operator: ChartOperator
+) -> None:
+    namespace = "e2e-rollout"
+    local_cluster_full.kubectl("create", "namespace", namespace, check=False)
+    ctx = Ctx(local_cluster_full, namespace)
+    doc = yaml.safe_load(yaml.safe_dump(DEMO))
+    doc["metadata"]["name"] = "roll"
+    doc["spec"]["replicas"] = 2
+    doc["spec"]["parallelism"] = {"tensor": 1, "pipeline": 2, "layerPartition": [16, 14]}
+    ctx.apply(doc)
+    ctx.wait_ready("roll")
+    client = ctx.client("roll", max_retries=0, timeout=60)
+    served: list[float] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def keep_asking() -> None:
+        while not stop.is_set():
+            try:
+                client.completions.create(model=SERVED, prompt="Hello", max_tokens=4, temperature=0)
+                served.append(time.monotonic())
+            except openai.APIError as error:
+                failures.append(repr(error))
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        time.sleep(2)
+        old_revisions = {p["metadata"]["labels"]["tessera.dev/revision"] for p in live_pods(ctx.get_json, namespace, "roll")}
+        started = time.monotonic()
+        doc["spec"]["engine"]["maxNumSeqs"] = 16
+        ctx.apply(doc)
+        deadline = started + READY_TIMEOUT
+        while True:
+            ic = ctx.get_json("get", "ic", "roll", "-n", namespace)
+            status = ic.get("status", {})
+            pods = live_pods(ctx.get_json, namespace, "roll")
+            revisions = {p["metadata"]["labels"]["tessera.dev/revision"] for p in pods}
+            if status.get("updatedReplicas") == 2 and status.get("readyReplicas") == 2 and not revisions & old_revisions:
+                break
+            assert time.monotonic() < deadline, f"rollout not finished: {status}"
+            time.sleep(1)
+    finally:
+        stop.set()
+        asker.join(timeout=60)
+        local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    assert failures == []
+    assert sum(1 for t in served if t >= started) > 0
