@@ -28,7 +28,9 @@ RELEASE, NAMESPACE = "tessera", "tessera-system"
 CHART_VALUES = ("webhook.enabled=true", "watch.clusterWide=true")
 
 
-def render_chart(cluster: LocalCluster, release: str = RELEASE, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+def render_chart(
+    cluster: LocalCluster, release: str = RELEASE, namespace: str = NAMESPACE
+) -> list[dict[str, Any]]:
     helm = str(cluster.bin_dir / "helm")
     values = [arg for value in CHART_VALUES for arg in ("--set", value)]
     rendered = subprocess.run(
@@ -123,5 +125,7 @@ def start_chart_operator(
 
 
 def _webhook_registered(cluster: LocalCluster, name: str) -> bool:
-    config = cluster.api("GET", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}")
+    config = cluster.api(
+        "GET", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}"
+    )
     return bool(config.get("webhooks"))

@@ -72,7 +72,9 @@ def up() -> int:
     kubectl = Kubectl(info)
     print(kubectl.run("apply", "-n", NAMESPACE, "-f", str(EXAMPLE)), end="")
     print("waiting for 6 rank pods (2 stages x 3 TP ranks) to rendezvous and warm up ...")
-    took = wait_until_ready(kubectl.get_json, NAMESPACE, NAME, READY_TIMEOUT_SECONDS, report=print, interval=2)
+    took = wait_until_ready(
+        kubectl.get_json, NAMESPACE, NAME, READY_TIMEOUT_SECONDS, report=print, interval=2
+    )
     print(f"Ready after {took:.0f}s\n")
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="not-needed", max_retries=3)
     started = time.monotonic()
@@ -85,7 +87,7 @@ def up() -> int:
     print(
         "More requests (OpenAI API, through the client Service):\n"
         f"  curl {base_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-        f"    -d '{{\"model\": \"{NAME}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'\n"
+        f'    -d \'{{"model": "{NAME}", "messages": [{{"role": "user", "content": "Hi!"}}]}}\'\n'
         "kubectl against this cluster:\n"
         f"  export KUBECONFIG={kubectl.kubeconfig} PATH={kubectl.bin}:$PATH\n"
         f"  kubectl get ic,pods -n {NAMESPACE}\n"

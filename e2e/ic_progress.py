@@ -24,6 +24,11 @@ def live_pods(get_json: GetJson, namespace: str, name: str) -> list[dict[str, An
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
+def container_pid(pod: dict[str, Any]) -> int:
+    """The node agent's container id is the pid of the container's (exec'd) command."""
+    return int(pod["status"]["containerStatuses"][0]["containerID"].removeprefix("tessera://"))
+
+
 def progress(get_json: GetJson, namespace: str, name: str) -> tuple[bool, str]:
     """(Ready?, one line: the Ready condition, each group's phase, pods by phase)."""
     ic = get_json("get", "ic", name, "-n", namespace)
@@ -57,3 +62,37 @@ def wait_until_ready(
         if time.monotonic() - started > timeout:
             raise TimeoutError(f"{namespace}/{name} not Ready after {timeout:.0f}s: {line}")
         time.sleep(interval)
+
+
+def revisions(get_json: GetJson, namespace: str, name: str) -> set[str]:
+    return {p["metadata"]["labels"]["tessera.dev/revision"] for p in live_pods(get_json, namespace, name)}
+
+
+def wait_until_rolled_out(
+    get_json: GetJson, namespace: str, name: str, old_revisions: set[str], replicas: int, timeout: float
+) -> float:
+    """Seconds until every group is Ready at a new revision and no pod of `old_revisions` is left."""
+    started = time.monotonic()
+    while True:
+        status = get_json("get", "ic", name, "-n", namespace).get("status", {})
+        done = status.get("updatedReplicas") == replicas and status.get("readyReplicas") == replicas
+        if done and not revisions(get_json, namespace, name) & old_revisions:
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"{namespace}/{name} not rolled out after {timeout:.0f}s: {status}")
+        time.sleep(1)
+
+
+def wait_until_recreated(
+    get_json: GetJson, namespace: str, name: str, old_uids: set[str], timeout: float
+) -> float:
+    """Seconds until the cluster is Ready again on pods none of which is in `old_uids`."""
+    started = time.monotonic()
+    while True:
+        uids = {p["metadata"]["uid"] for p in live_pods(get_json, namespace, name)}
+        ready, line = progress(get_json, namespace, name)
+        if ready and uids and not uids & old_uids:
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            raise TimeoutError(f"{namespace}/{name} not recreated and Ready after {timeout:.0f}s: {line}")
+        time.sleep(1)

@@ -571,7 +571,9 @@ def _cli(argv: Sequence[str] | None = None) -> int:
         "--expose", type=_parse_expose, action="append", default=[], metavar="NS/SVC:PORT=LOCAL"
     )
     parser.add_argument(
-        "--operator", action="store_true", help="install the CRDs and run the operator as the chart configures it"
+        "--operator",
+        action="store_true",
+        help="install the CRDs and run the operator as the chart configures it",
     )
     parser.add_argument("--foreground", action="store_true", help="stay attached; Ctrl-C stops the cluster")
     parser.add_argument("--record", action="store_true", help=argparse.SUPPRESS)

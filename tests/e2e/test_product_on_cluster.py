@@ -23,8 +23,16 @@ import yaml
 
 from e2e import podnet
 from e2e.chart_operator import ChartOperator, start_chart_operator
-from e2e.ic_progress import live_pods, wait_until_ready
+from e2e.ic_progress import (
+    container_pid,
+    live_pods,
+    revisions,
+    wait_until_ready,
+    wait_until_recreated,
+    wait_until_rolled_out,
+)
 from e2e.local_cluster import LocalCluster
+from e2e.request_loop import RequestLoop
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -56,7 +64,9 @@ class Ctx:
 
 
 @pytest.fixture(scope="module")
-def operator(local_cluster_full: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChartOperator]:
+def operator(
+    local_cluster_full: LocalCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ChartOperator]:
     running = start_chart_operator(local_cluster_full, tmp_path_factory.mktemp("operator"))
     try:
         yield running
@@ -80,14 +90,11 @@ def demo(local_cluster_full: LocalCluster, operator: ChartOperator) -> Iterator[
 
 def greedy(client: openai.OpenAI) -> list[str]:
     return [
-        client.completions.create(model=SERVED, prompt=p, max_tokens=MAX_TOKENS, temperature=0).choices[0].text
+        client.completions.create(model=SERVED, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+        .choices[0]
+        .text
         for p in PROMPTS
     ]
-
-
-def container_pid(pod: dict[str, Any]) -> int:
-    """The node agent's container id is the pid of the container's (exec'd) command."""
-    return int(pod["status"]["containerStatuses"][0]["containerID"].removeprefix("tessera://"))
 
 
 def test_demo_spec_is_ready_after_rendezvous_and_answers_like_one_process(demo: Ctx) -> None:
@@ -100,7 +107,13 @@ def test_demo_spec_is_ready_after_rendezvous_and_answers_like_one_process(demo: 
     assert "6 ranks ready" in log, log[-3000:]  # the engine core saw every rank join
 
     served = greedy(demo.client(NAME))
-    llm = LLM(DEMO["spec"]["model"]["source"], dtype="float32", max_model_len=512, num_threads=1)
+    llm = LLM(
+        DEMO["spec"]["model"]["source"],
+        dtype="float32",
+        max_model_len=512,
+        num_threads=1,
+        kv_cache_memory=256 << 20,
+    )
     try:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
         reference = [r.outputs[0].text for r in llm.generate(PROMPTS, params)]
@@ -146,10 +159,8 @@ def test_killed_worker_rank_fails_in_flight_requests_then_group_is_recreated(dem
     assert not any(t.is_alive() for t in requests), "an in-flight request hangs after a rank died"
     assert outcomes and all(o.startswith("error") for o in outcomes), outcomes
 
-    demo.wait_ready(NAME)
-    uids_before = {p["metadata"]["uid"] for p in before}
-    after = live_pods(demo.get_json, demo.ns, NAME)
-    assert len(after) == 6 and not uids_before & {p["metadata"]["uid"] for p in after}
+    wait_until_recreated(demo.get_json, demo.ns, NAME, {p["metadata"]["uid"] for p in before}, READY_TIMEOUT)
+    assert len(live_pods(demo.get_json, demo.ns, NAME)) == 6
     assert len(greedy(demo.client(NAME, max_retries=0))) == len(PROMPTS)
 
 
@@ -158,12 +169,23 @@ def test_delete_removes_every_pod_and_process(demo: Ctx) -> None:
     pids = [container_pid(p) for p in pods]
     demo.cluster.kubectl("delete", "ic", NAME, "-n", demo.ns, "--wait=true", "--timeout=120s")
     deadline = time.monotonic() + 90
-    while demo.get_json("get", "pods", "-n", demo.ns)["items"] or any(Path(f"/proc/{p}").exists() for p in pids):
+    while demo.get_json("get", "pods", "-n", demo.ns)["items"] or any(
+        Path(f"/proc/{p}").exists() for p in pids
+    ):
         assert time.monotonic() < deadline, "pods or their processes outlived `kubectl delete ic`"
         time.sleep(1)
     prefix = podnet.name_prefix(demo.cluster.agent_id)
     leftover = [ns for ns in podnet.ip("netns", "list").split() if ns.startswith(prefix) and demo.ns in ns]
     assert leftover == []
+
+
+def rollout_spec() -> dict[str, Any]:
+    """The demo's model as 2 replica groups of 2 pipeline stages (4 pods)."""
+    doc: dict[str, Any] = yaml.safe_load(yaml.safe_dump(DEMO))
+    doc["metadata"]["name"] = "roll"
+    doc["spec"]["replicas"] = 2
+    doc["spec"]["parallelism"] = {"tensor": 1, "pipeline": 2, "layerPartition": [16, 14]}
+    return doc
 
 
 def test_rollout_of_two_groups_keeps_answering_every_request(
@@ -172,46 +194,19 @@ def test_rollout_of_two_groups_keeps_answering_every_request(
     namespace = "e2e-rollout"
     local_cluster_full.kubectl("create", "namespace", namespace, check=False)
     ctx = Ctx(local_cluster_full, namespace)
-    doc = yaml.safe_load(yaml.safe_dump(DEMO))
-    doc["metadata"]["name"] = "roll"
-    doc["spec"]["replicas"] = 2
-    doc["spec"]["parallelism"] = {"tensor": 1, "pipeline": 2, "layerPartition": [16, 14]}
+    doc = rollout_spec()
     ctx.apply(doc)
     ctx.wait_ready("roll")
-    client = ctx.client("roll", max_retries=0, timeout=60)
-    served: list[float] = []
-    failures: list[str] = []
-    stop = threading.Event()
-
-    def keep_asking() -> None:
-        while not stop.is_set():
-            try:
-                client.completions.create(model=SERVED, prompt="Hello", max_tokens=4, temperature=0)
-                served.append(time.monotonic())
-            except openai.APIError as error:
-                failures.append(repr(error))
-
-    asker = threading.Thread(target=keep_asking)
-    asker.start()
     try:
-        time.sleep(2)
-        old_revisions = {p["metadata"]["labels"]["tessera.dev/revision"] for p in live_pods(ctx.get_json, namespace, "roll")}
-        started = time.monotonic()
-        doc["spec"]["engine"]["maxNumSeqs"] = 16
-        ctx.apply(doc)
-        deadline = started + READY_TIMEOUT
-        while True:
-            ic = ctx.get_json("get", "ic", "roll", "-n", namespace)
-            status = ic.get("status", {})
-            pods = live_pods(ctx.get_json, namespace, "roll")
-            revisions = {p["metadata"]["labels"]["tessera.dev/revision"] for p in pods}
-            if status.get("updatedReplicas") == 2 and status.get("readyReplicas") == 2 and not revisions & old_revisions:
-                break
-            assert time.monotonic() < deadline, f"rollout not finished: {status}"
-            time.sleep(1)
+        with RequestLoop(ctx.client("roll", max_retries=0, timeout=60), SERVED) as loop:
+            time.sleep(2)
+            old = revisions(ctx.get_json, namespace, "roll")
+            started = time.monotonic()
+            doc["spec"]["engine"]["maxNumSeqs"] = 16
+            ctx.apply(doc)
+            wait_until_rolled_out(ctx.get_json, namespace, "roll", old, 2, READY_TIMEOUT)
+            finished = time.monotonic()
     finally:
-        stop.set()
-        asker.join(timeout=60)
         local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-    assert failures == []
-    assert sum(1 for t in served if t >= started) > 0
+    assert loop.failures() == []
+    assert loop.served_between(started, finished) > 0
