@@ -2,7 +2,8 @@
 
 Bytes are forwarded both ways untouched, so streaming HTTP responses (server-sent events) pass as
 they are produced. Each new connection picks the next ready address (round robin) from the
-Endpoints object, re-read at most every second, so the proxy follows pods as they come and go.
+Endpoints object, re-read at most every second, so the proxy follows pods as they come and go;
+an endpoint that refuses the connection is skipped for the next one.
 
     python -m e2e.service_proxy --kubeconfig K --namespace NS --service NAME --port 8000 --listen 18000
 """
@@ -49,8 +50,8 @@ class ServiceProxy:
         self._read_at = 0.0
         self._turn = itertools.count()
 
-    async def _current_targets(self) -> list[tuple[str, int]]:
-        if time.monotonic() - self._read_at > ENDPOINTS_TTL_SECONDS:
+    async def _current_targets(self, refresh: bool = False) -> list[tuple[str, int]]:
+        if refresh or time.monotonic() - self._read_at > ENDPOINTS_TTL_SECONDS:
             service = await self.api.get(f"{self.path}/services/{self.service}")
             endpoints = await self.api.get_or_none(f"{self.path}/endpoints/{self.service}")
             self._targets = ready_targets(service, endpoints, self.port)
@@ -59,12 +60,7 @@ class ServiceProxy:
 
     async def handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
-            targets = await self._current_targets()
-            if not targets:
-                log.warning("no ready endpoint behind %s:%d", self.service, self.port)
-                return
-            host, port = targets[next(self._turn) % len(targets)]
-            upstream_reader, upstream_writer = await asyncio.open_connection(host, port)
+            upstream_reader, upstream_writer = await self._connect()
         except Exception:
             log.exception("cannot reach %s:%d", self.service, self.port)
             client_writer.close()
@@ -72,6 +68,25 @@ class ServiceProxy:
         await asyncio.gather(_pipe(client_reader, upstream_writer), _pipe(upstream_reader, client_writer))
         for writer in (client_writer, upstream_writer):
             writer.close()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The next ready endpoint that accepts; one whose pod just stopped listening (it is
+        terminating and the Endpoints have not caught up yet) is skipped after a fresh read."""
+        targets = await self._current_targets()
+        turn = next(self._turn)
+        for attempt in range(2):
+            if not targets:
+                raise ConnectionError(f"no ready endpoint behind {self.service}:{self.port}")
+            ordered = targets[turn % len(targets) :] + targets[: turn % len(targets)]
+            for host, port in ordered:
+                try:
+                    return await asyncio.open_connection(host, port)
+                except OSError:
+                    log.info("%s:%d refused the connection; trying another endpoint", host, port)
+            if attempt == 0:
+                await asyncio.sleep(ENDPOINTS_TTL_SECONDS)
+                targets = await self._current_targets(refresh=True)
+        raise ConnectionError(f"no endpoint behind {self.service}:{self.port} accepts connections")
 
     async def serve(self, listen_port: int, stop: asyncio.Event) -> None:
         server = await asyncio.start_server(self.handle, "127.0.0.1", listen_port)

@@ -136,12 +136,17 @@ def test_killed_worker_rank_fails_in_flight_requests_then_group_is_recreated(dem
     before = live_pods(demo.get_json, demo.ns, NAME)
     victim = next(p for p in before if p["metadata"]["name"].endswith("-s1-t1"))
     outcomes: list[str] = []
-    streaming = threading.Event()
+    streaming = [threading.Event() for _ in range(2)]
 
-    def long_request() -> None:
+    def long_request(streaming: threading.Event) -> None:
         try:
             stream = client.completions.create(
-                model=SERVED, prompt="Tell me a long story.", max_tokens=1500, temperature=0, stream=True
+                model=SERVED,
+                prompt="Tell me a long story.",
+                max_tokens=1500,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},  # still generating when the rank dies
             )
             for _ in stream:
                 streaming.set()
@@ -149,10 +154,10 @@ def test_killed_worker_rank_fails_in_flight_requests_then_group_is_recreated(dem
         except openai.APIError as error:
             outcomes.append(f"error: {type(error).__name__}")
 
-    requests = [threading.Thread(target=long_request) for _ in range(2)]
+    requests = [threading.Thread(target=long_request, args=(event,)) for event in streaming]
     for thread in requests:
         thread.start()
-    assert streaming.wait(60), "no request started streaming"
+    assert all(event.wait(90) for event in streaming), "the requests did not start streaming"
     os.kill(container_pid(victim), signal.SIGKILL)
     for thread in requests:
         thread.join(timeout=30)
