@@ -166,7 +166,13 @@ def test_killed_worker_rank_fails_in_flight_requests_then_group_is_recreated(dem
 
     wait_until_recreated(demo.get_json, demo.ns, NAME, {p["metadata"]["uid"] for p in before}, READY_TIMEOUT)
     assert len(live_pods(demo.get_json, demo.ns, NAME)) == 6
-    assert len(greedy(demo.client(NAME, max_retries=0))) == len(PROMPTS)
+    try:
+        assert len(greedy(demo.client(NAME, max_retries=0))) == len(PROMPTS)
+    except openai.APIError:
+        for pod in live_pods(demo.get_json, demo.ns, NAME):
+            log = demo.cluster.container_log(demo.ns, pod["metadata"]["name"], "rank")
+            print(f"---- {pod['metadata']['name']} ----\n{log[-2500:]}")
+        raise
 
 
 def test_delete_removes_every_pod_and_process(demo: Ctx) -> None:
