@@ -187,13 +187,16 @@ class PodRuntime:
             container.readiness.next_at = time.monotonic() + delay
 
     async def stop(self, grace_seconds: float) -> None:
-        """SIGTERM every container's process group, SIGKILL what is left after the grace."""
+        """As the kubelet: each running container's preStop hook, then SIGTERM to its main process
+        (not its children), all within the grace; SIGKILL to whatever is left after it."""
         self.stopping = True
+        deadline = time.monotonic() + grace_seconds
+        await asyncio.gather(*(self._pre_stop(c, deadline) for c in self.containers if c.running))
         for container in self.containers:
             if container.running:
                 assert container.process is not None
-                _signal_group(container.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_seconds
+                with contextlib.suppress(ProcessLookupError):
+                    container.process.send_signal(signal.SIGTERM)
         while time.monotonic() < deadline and any(c.running for c in self.containers):
             await asyncio.sleep(0.1)
         for container in self.containers:
@@ -204,6 +207,26 @@ class PodRuntime:
         if self.sandbox is not None:
             self.network.remove_sandbox(self.sandbox)  # also kills processes that left the group
             self.sandbox = None
+
+    async def _pre_stop(self, container: Container, deadline: float) -> None:
+        hook = ((container.spec.get("lifecycle") or {}).get("preStop") or {}).get("exec")
+        if hook is not None:
+            await self._exec_in_sandbox(hook["command"], container, max(deadline - time.monotonic(), 0.0))
+
+    async def _exec_in_sandbox(self, command: list[str], container: Container, timeout: float) -> bool:
+        """Runs `command` in the pod's network namespace; True when it exits 0 within `timeout`."""
+        assert self.sandbox is not None
+        process = await asyncio.create_subprocess_exec(
+            podnet.IP, "netns", "exec", self.sandbox.netns, *command,
+            env=container.env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            return await asyncio.wait_for(process.wait(), timeout) == 0
+        except TimeoutError:
+            _signal_group(process.pid, signal.SIGKILL)
+            await process.wait()
+            return False
 
     # --- the sync loop ------------------------------------------------------------------------
 
@@ -276,17 +299,7 @@ class PodRuntime:
                 writer.close()
                 return True
             if "exec" in spec:
-                process = await asyncio.create_subprocess_exec(
-                    podnet.IP, "netns", "exec", self.sandbox.netns, *spec["exec"]["command"],
-                    env=container.env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-                    start_new_session=True,
-                )  # fmt: skip
-                try:
-                    return await asyncio.wait_for(process.wait(), timeout) == 0
-                except TimeoutError:
-                    _signal_group(process.pid, signal.SIGKILL)
-                    await process.wait()
-                    return False
+                return await self._exec_in_sandbox(spec["exec"]["command"], container, timeout)
         except (httpx.HTTPError, OSError, TimeoutError):
             return False
         return False
