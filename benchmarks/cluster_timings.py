@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import openai
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +39,7 @@ from e2e.ic_progress import (  # noqa: E402
     wait_until_rolled_out,
 )
 from e2e.local_cluster import LocalCluster, binaries_installed, install_binaries  # noqa: E402
-from e2e.request_loop import RequestLoop  # noqa: E402
+from e2e.request_loop import RequestLoop, connection_per_request_client  # noqa: E402
 
 NAME = "cluster_timings"
 DEMO = yaml.safe_load((REPO / "examples" / "smollm2.yaml").read_text())
@@ -92,7 +91,7 @@ def run(cluster: LocalCluster, phases: Phases) -> dict[str, Any]:
     apply(roll, "bench-rollout")
     wait_until_ready(get_json, "bench-rollout", "roll", TIMEOUT, report=print)
     url = cluster.expose("bench-rollout", "roll", 8000)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = connection_per_request_client(f"{url}/v1", max_retries=0, timeout=60)
     with RequestLoop(client, SERVED) as loop:
         time.sleep(5)
         old = revisions(get_json, "bench-rollout", "roll")

@@ -32,7 +32,7 @@ from e2e.ic_progress import (
     wait_until_rolled_out,
 )
 from e2e.local_cluster import LocalCluster
-from e2e.request_loop import RequestLoop
+from e2e.request_loop import RequestLoop, connection_per_request_client
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -209,7 +209,9 @@ def test_rollout_of_two_groups_keeps_answering_every_request(
     ctx.apply(doc)
     ctx.wait_ready("roll")
     try:
-        with RequestLoop(ctx.client("roll", max_retries=0, timeout=60), SERVED) as loop:
+        url = local_cluster_full.expose(namespace, "roll", 8000)
+        client = connection_per_request_client(f"{url}/v1", max_retries=0, timeout=60)
+        with RequestLoop(client, SERVED) as loop:
             time.sleep(2)
             old = revisions(ctx.get_json, namespace, "roll")
             started = time.monotonic()
