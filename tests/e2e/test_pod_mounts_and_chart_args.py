@@ -1,0 +1,67 @@
+"""Unit tests of the node agent's container mounts and the chart operator's host arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e import pod_mounts
+from e2e.chart_operator import host_args
+from tessera_operator import builders
+from tessera_operator.api import InferenceClusterSpec
+
+
+def rank_pod() -> dict[str, Any]:
+    spec = InferenceClusterSpec.model_validate(
+        {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"tensor": 1, "pipeline": 2}}
+    )
+    return builders.build_group(builders.ClusterRef("c", "ns", "u"), spec, "r", 0)[1]
+
+
+def test_a_rank_pod_gets_its_emptydirs_a_tmpfs_the_prebuilt_cache_and_a_read_only_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "host-cache"))
+    (tmp_path / "host-cache").mkdir()
+    pod = rank_pod()
+    container = pod["spec"]["containers"][0]
+    mounts = {m.target: m for m in pod_mounts.container_mounts(pod, container, tmp_path / "pod")}
+    assert mounts[pod_mounts.IMAGE_PREBUILT_DIR] == pod_mounts.Mount(
+        pod_mounts.IMAGE_PREBUILT_DIR, str(tmp_path / "host-cache"), read_only=True
+    )
+    assert mounts["/dev/shm"].source is None  # medium: Memory
+    for target in ("/cache", "/tmp"):
+        assert Path(mounts[target].source or "").is_dir()
+        assert Path(mounts[target].source or "").is_relative_to(tmp_path / "pod")
+    prologue = pod_mounts.mount_prologue(list(mounts.values()), pod_mounts.read_only_root(container))
+    assert prologue.endswith("mount -o remount,bind,ro / && ")
+    assert prologue.index("--bind -o ro") < prologue.index("remount")
+
+
+def test_worker_ranks_wait_for_the_leader_to_drain_before_sigterm() -> None:
+    pod = rank_pod()
+    hook = pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook == ["sleep", str(builders.WORKER_DRAIN_SECONDS)]
+
+
+def test_the_chart_arguments_are_pointed_at_this_host(tmp_path: Path) -> None:
+    chart = [
+        "--all-namespaces",
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "--webhook-port=9443",
+        "--webhook-host=tessera-operator-webhook.tessera-system.svc",
+        "--webhook-cert-dir=/tmp/webhook-certs",
+        "--webhook-managed=tessera-operator.tessera.dev",
+    ]
+    args = host_args(chart, 1111, 2222, tmp_path)
+    assert args == [
+        "--all-namespaces",
+        "--liveness=http://127.0.0.1:1111/healthz",
+        "--webhook-port=2222",
+        "--webhook-host=127.0.0.1",
+        f"--webhook-cert-dir={tmp_path}",
+        "--webhook-managed=tessera-operator.tessera.dev",
+        "--webhook-addr=127.0.0.1",
+    ]
