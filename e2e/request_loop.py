@@ -7,14 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2  # the HTTP library this openai client is built on
 import openai
 
 
 def connection_per_request_client(base_url: str, **options: Any) -> openai.OpenAI:
     """An OpenAI client that opens a new connection per request: each one goes through the
     Service's load balancing again instead of staying pinned to one pod by keep-alive."""
-    http_client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+    http_client = openai.DefaultHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
     return openai.OpenAI(base_url=base_url, api_key="unused", http_client=http_client, **options)
 
 

@@ -105,9 +105,7 @@ def test_scale_adds_and_removes_whole_groups(crds: Any, k8s_namespace: str) -> N
 def test_failed_pod_restarts_its_whole_group_with_backoff(crds: Any, k8s_namespace: str) -> None:
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns), FakeKubelet(cluster, ns):
-        apply_example(
-            cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2, restartPolicy=FAST_RESTART
-        )
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2, restartPolicy=FAST_RESTART)
         wait_for(
             lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 2, "2 ready groups"
         )

@@ -48,6 +48,7 @@ def test_prebuilt_kernels_load_from_a_read_only_folder(
     key = kernels.build_key()
     baked = tmp_path / "kernels" / key
     baked.mkdir(parents=True)
+    assert built.__file__ is not None
     shutil.copy(built.__file__, baked / f"tessera_cpu_kernels_{key}.so")
     baked.chmod(0o555)
     monkeypatch.setenv("TESSERA_PREBUILT_CACHE", str(tmp_path))
