@@ -77,5 +77,14 @@ def mount_prologue(mounts: list[Mount], read_only_root: bool) -> str:
     return "".join(f"{line} && " for line in lines)
 
 
+def working_dir(container: Mapping[str, Any], pod_dir: Path, mounts: list[Mount]) -> str:
+    """The container's workingDir, else the pod's folder (it stands for the image's writable
+    workdir), unless one of the mounts hides that folder (a /tmp emptyDir): then /."""
+    if container.get("workingDir"):
+        return str(container["workingDir"])
+    hidden = any(pod_dir.is_relative_to(mount.target) for mount in mounts)
+    return "/" if hidden else str(pod_dir)
+
+
 def read_only_root(container: Mapping[str, Any]) -> bool:
     return bool((container.get("securityContext") or {}).get("readOnlyRootFilesystem"))

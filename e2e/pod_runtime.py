@@ -159,10 +159,9 @@ class PodRuntime:
     def _spawn(self, container: Container) -> None:
         assert self.sandbox is not None
         argv = container_argv(container.spec, container.env)
-        # An image's default working directory; the pod's state dir would be hidden under /tmp's mount.
-        cwd = container.spec.get("workingDir") or "/"
-        Path(cwd).mkdir(parents=True, exist_ok=True)
         mounts = pod_mounts.container_mounts(self.pod, container.spec, self.dir)
+        cwd = pod_mounts.working_dir(container.spec, self.dir, mounts)
+        Path(cwd).mkdir(parents=True, exist_ok=True)
         pod_mounts.ensure_mount_points(mounts)
         script = pod_mounts.mount_prologue(mounts, pod_mounts.read_only_root(container.spec))
         sandbox_exec = [podnet.IP, "netns", "exec", self.sandbox.netns]

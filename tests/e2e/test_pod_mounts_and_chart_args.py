@@ -40,6 +40,13 @@ def test_a_rank_pod_gets_its_emptydirs_a_tmpfs_the_prebuilt_cache_and_a_read_onl
     assert prologue.index("--bind -o ro") < prologue.index("remount")
 
 
+def test_a_container_starts_in_its_pod_folder_unless_a_mount_hides_it(tmp_path: Path) -> None:
+    pod_dir = tmp_path / "pods" / "ns_p_1"
+    assert pod_mounts.working_dir({}, pod_dir, []) == str(pod_dir)
+    assert pod_mounts.working_dir({}, pod_dir, [pod_mounts.Mount(str(tmp_path), "/x")]) == "/"
+    assert pod_mounts.working_dir({"workingDir": "/w"}, pod_dir, []) == "/w"
+
+
 def test_worker_ranks_wait_for_the_leader_to_drain_before_sigterm() -> None:
     pod = rank_pod()
     hook = pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
