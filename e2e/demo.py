@@ -11,6 +11,8 @@ Service with the `openai` client. `make demo-down` stops everything.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -55,6 +57,9 @@ class Kubectl:
 
 
 def up() -> int:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        print("make demo needs root and iproute2: pods run in network and mount namespaces of their own")
+        return 1
     pointer = local_cluster.pointer_file()
     if pointer.exists():
         print(f"reusing the local cluster that is already up ({pointer})")
