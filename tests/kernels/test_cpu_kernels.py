@@ -18,12 +18,8 @@ import torch.nn.functional as F
 from tessera import kernels
 from tessera.models.layers.activation import SiluAndMul
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
-from tessera.models.layers.linear import (
-    ColumnParallelLinear,
-    MklPackedWeight,
-    OneDnnPackedWeight,
-    process_weights_after_loading,
-)
+from tessera.kernels.gemm import MklPackedWeight, OneDnnPackedWeight
+from tessera.models.layers.linear import ColumnParallelLinear, process_weights_after_loading
 from tessera.models.layers.norm import RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
 
@@ -201,5 +197,7 @@ def test_loaded_linear_layers_are_packed_and_match(monkeypatch: pytest.MonkeyPat
     x = torch.randn(5, 80)
     expected = F.linear(x, layer.weight, layer.bias)
     process_weights_after_loading(layer)
-    assert layer.packed_weight is not None and layer.weight.numel() == 0  # the dense copy is released
+    assert layer.packed_weight is not None
+    # A packed copy replaces the dense one; ATen (when measured fastest) keeps it.
+    assert (layer.weight.numel() == 0) == (layer.packed_weight.backend != "aten")
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)

@@ -5,15 +5,12 @@ this rank's slice of a full checkpoint tensor into it, so the loader streams che
 tensors one by one without knowing how each layer is sharded. With ``tp_size == 1`` every
 slice is the whole tensor and the layers are plain ``F.linear``.
 
-On CPU, ``process_weights_after_loading`` repacks every weight once for a packed GEMM
-(``PackedWeight``): decode-sized batches (a few to a few dozen rows) run much faster than
-through ``F.linear``, prefill-sized ones about the same.
+On CPU, ``process_weights_after_loading`` puts every weight once in the form of the GEMM
+backend measured fastest for its shape on this machine (MKL packed, oneDNN prepacked or
+ATen's ``F.linear``; see ``tessera.kernels.gemm_selection``).
 """
 
 from __future__ import annotations
-
-from abc import ABC, abstractmethod
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +23,8 @@ from tessera.distributed.communication import (
     tp_all_reduce,
     tp_reduce_scatter,
 )
-from tessera.kernels import native_ops
+from tessera.kernels.gemm import AtenWeight, PackedWeight
+from tessera.kernels.gemm_selection import LAYER_ROWS, LM_HEAD_ROWS, select_backend
 from tessera.models.checkpoint import CheckpointTensor, materialize
 
 
@@ -41,51 +39,12 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-_NO_BIAS = torch.empty(0)
-
-
-class PackedWeight(ABC):
-    """A weight ``[out, in]`` reordered once for a CPU GEMM library's kernels."""
-
-    @abstractmethod
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T (+ bias)``."""
-
-
-class MklPackedWeight(PackedWeight):
-    """fp32 through MKL's packed GEMM: 1.3-2.5x an ordinary sgemm at 8-64 rows (decode), on par
-    at prefill sizes; the packed copy is larger than the weight (about 1.6x plus ~10 MB)."""
-
-    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
-        self.ops, self.out_features = ops, weight.shape[0]
-        self.data = ops.mkl_pack_weight(weight.contiguous())
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = self.ops.mkl_linear(rows, self.data, self.out_features, _NO_BIAS if bias is None else bias)
-        return out.view(*x.shape[:-1], self.out_features)
-
-
-class OneDnnPackedWeight(PackedWeight):
-    """fp32 or bf16 through oneDNN's blocked layout (where MKL's packed GEMM is unavailable)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
-
-
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """The best packed form of ``weight`` on this machine, or None to keep ``F.linear``."""
+def pack_weight(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> PackedWeight | None:
+    """``weight`` in the fastest GEMM backend's form on this machine (measured once per shape and
+    recorded, see ``gemm_selection``), or None off CPU, where ``F.linear`` is the kernel."""
     if weight.device.type != "cpu":
         return None
-    ops = native_ops(weight.device)
-    if weight.dtype == torch.float32 and ops is not None and ops.mkl_packed_gemm_available():
-        return MklPackedWeight(weight, ops)
-    if torch.backends.mkldnn.is_available() and weight.dtype in (torch.float32, torch.bfloat16):
-        return OneDnnPackedWeight(weight)
-    return None
+    return select_backend(weight, rows)
 
 
 def linear(
@@ -329,7 +288,7 @@ class RowParallelLinear(LinearBase):
 def process_weights_after_loading(model: nn.Module) -> None:
     """Repack CPU matmul weights once loaded (see ``pack_weight``).
 
-    A linear layer's dense copy is released; the LM head keeps its own, which the (tied)
+    A linear layer's dense copy is released when a packed form replaces it; the LM head keeps its own, which the (tied)
     embedding looks rows up in.
     """
     from tessera.models.layers.embedding import ParallelLMHead  # embedding imports this module
@@ -337,7 +296,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, LinearBase):
             module.packed_weight = pack_weight(module.weight.data)
-            if module.packed_weight is not None:
+            if module.packed_weight is not None and not isinstance(module.packed_weight, AtenWeight):
                 module.weight.data = torch.empty(0, dtype=module.weight.dtype)
         elif isinstance(module, ParallelLMHead):
-            module.packed_weight = pack_weight(module.weight.data)
+            module.packed_weight = pack_weight(module.weight.data, LM_HEAD_ROWS)

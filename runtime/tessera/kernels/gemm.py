@@ -1,0 +1,112 @@
+"""CPU GEMM backends for ``x @ weight.T (+ bias)``: a weight reordered once for a library's kernels.
+
+Which library is fastest depends on the CPU (vendor, generation, ISA), the shape and the dtype:
+MKL's packed sgemm wins on some Xeons, oneDNN's prepacked blocked layout on others (and on
+EPYC), plain ATen for some shapes. ``gemm_selection`` measures them on the machine; this
+module only holds the candidates.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from tessera.kernels import native_ops
+
+_NO_BIAS = torch.empty(0)
+
+
+class PackedWeight(ABC):
+    """A weight ``[out, in]`` in the form one GEMM backend multiplies fastest."""
+
+    backend: str
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``."""
+
+
+class AtenWeight(PackedWeight):
+    """The dense weight through ``F.linear``: the reference formulation, and a candidate too."""
+
+    backend = "aten"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.data = weight
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.data, bias)
+
+
+class MklPackedWeight(PackedWeight):
+    """fp32 through MKL's packed GEMM (``cblas_sgemm_pack``/``compute``, via the native kernels);
+    the packed copy is larger than the weight (about 1.6x plus ~10 MB)."""
+
+    backend = "mkl"
+
+    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
+        self.ops, self.out_features = ops, weight.shape[0]
+        self.data = ops.mkl_pack_weight(weight.contiguous())
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = self.ops.mkl_linear(rows, self.data, self.out_features, _NO_BIAS if bias is None else bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class OneDnnPackedWeight(PackedWeight):
+    """fp32 or bf16 through oneDNN's blocked weight layout (reordered once, as ``to_mkldnn`` does)."""
+
+    backend = "onednn"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+
+@dataclass(frozen=True)
+class GemmBackend:
+    name: str
+    supports: Callable[[torch.Tensor], bool]
+    pack: Callable[[torch.Tensor], PackedWeight]
+
+
+def _mkl_ops(weight: torch.Tensor) -> ModuleType | None:
+    ops = native_ops(weight.device)
+    return ops if ops is not None and ops.mkl_packed_gemm_available() else None
+
+
+def _pack_mkl(weight: torch.Tensor) -> PackedWeight:
+    ops = _mkl_ops(weight)
+    assert ops is not None, "MKL's packed GEMM is unavailable"
+    return MklPackedWeight(weight, ops)
+
+
+BACKENDS: dict[str, GemmBackend] = {
+    backend.name: backend
+    for backend in (
+        GemmBackend("aten", lambda w: True, AtenWeight),
+        GemmBackend(
+            "mkl", lambda w: w.device.type == "cpu" and w.dtype == torch.float32 and _mkl_ops(w) is not None, _pack_mkl
+        ),
+        GemmBackend(
+            "onednn",
+            lambda w: w.device.type == "cpu"
+            and w.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available(),
+            OneDnnPackedWeight,
+        ),
+    )
+}
+
+
+def candidates(weight: torch.Tensor) -> list[GemmBackend]:
+    """The backends that can multiply ``weight`` on this machine (ATen always can)."""
+    return [backend for backend in BACKENDS.values() if backend.supports(weight)]

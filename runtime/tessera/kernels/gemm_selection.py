@@ -1,0 +1,139 @@
+"""Choose each weight's GEMM backend by measuring the candidates on this machine, once.
+
+A choice is per ``(out, in, dtype, threads, row profile)``: tensor-parallel shards are
+measured at their own shapes. It is recorded in ``gemm_selection.json`` beside the native
+kernel build (same folder, same key: torch version, CPU flags, kernel sources), so a machine
+measures a shape once and every later load, on any rank, reuses the verdict.
+``TESSERA_GEMM_BACKEND=aten|mkl|onednn`` forces one backend where it is supported.
+
+Scoring: each candidate is timed at every row count of the profile (decode-sized and
+prefill-sized batches) and scored by the geometric mean of its time relative to the fastest
+candidate at that row count, so a shape that is slow at prefill and one slow at decode weigh
+alike, whatever the absolute times.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.kernels import _cache_root, build_key
+from tessera.kernels.gemm import BACKENDS, PackedWeight, candidates
+
+logger = logging.getLogger(__name__)
+
+SELECTION_FILE = "gemm_selection.json"
+FORCE_VARIABLE = "TESSERA_GEMM_BACKEND"
+# Rows a linear layer multiplies: decode batches and prefill chunks.
+LAYER_ROWS = (8, 64, 512)
+# The LM head only sees the last position of each sequence in a step.
+LM_HEAD_ROWS = (8, 64)
+_MIN_ROUNDS, _TIME_BUDGET_S = 5, 0.03
+
+
+@dataclass(frozen=True)
+class Selection:
+    backend: str
+    measured: dict[str, float]  # backend -> score (1.0 = fastest at every row count)
+
+
+def selection_path() -> Path:
+    return _cache_root() / build_key() / SELECTION_FILE
+
+
+def selection_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
+    out_features, in_features = weight.shape
+    dtype = str(weight.dtype).removeprefix("torch.")
+    return f"{dtype}:{out_features}x{in_features}:threads={torch.get_num_threads()}:rows={','.join(map(str, rows))}"
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def recorded_selections() -> dict[str, Any]:
+    return _read(selection_path())
+
+
+def _record(key: str, selection: Selection) -> None:
+    """Merge one verdict into the file: ranks loading at once must not drop each other's."""
+    path = selection_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.parent / f".{SELECTION_FILE}.lock", "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            data = _read(path)
+            data[key] = {"backend": selection.backend, "scores": selection.measured}
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, prefix=".selection.") as tmp:
+                json.dump(data, tmp, indent=1, sort_keys=True)
+            os.replace(tmp.name, path)
+    except OSError as error:  # a read-only cache costs a re-measurement next time, nothing else
+        logger.warning("could not record the GEMM selection in %s: %s", path, error)
+
+
+def _best_times(packed: dict[str, PackedWeight], x: torch.Tensor) -> dict[str, float]:
+    """Best time of each form on ``x``, in interleaved rounds: on a shared machine a burst of
+    load then slows every candidate alike instead of deciding the verdict."""
+    for form in packed.values():
+        form.matmul(x, None)  # warm-up: first-call allocations and oneDNN primitive creation
+    best = dict.fromkeys(packed, math.inf)
+    spent, rounds = 0.0, 0
+    while rounds < _MIN_ROUNDS or spent < _TIME_BUDGET_S * len(packed):
+        for name, form in packed.items():
+            started = time.perf_counter()
+            form.matmul(x, None)
+            elapsed = time.perf_counter() - started
+            best[name], spent = min(best[name], elapsed), spent + elapsed
+        rounds += 1
+    return best
+
+
+def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dict[str, PackedWeight]]:
+    """Time every candidate on ``weight`` itself; returns the verdict and the packed forms built."""
+    packed = {backend.name: backend.pack(weight) for backend in candidates(weight)}
+    generator = torch.Generator().manual_seed(0)
+    log_ratio = dict.fromkeys(packed, 0.0)
+    with torch.inference_mode():
+        for count in rows:
+            x = torch.randn(count, weight.shape[1], generator=generator).to(weight.dtype)
+            best = _best_times(packed, x)
+            fastest = min(best.values())
+            for name, elapsed in best.items():
+                log_ratio[name] += math.log(elapsed / fastest) / len(rows)
+    scores = {name: round(math.exp(value), 3) for name, value in log_ratio.items()}
+    return Selection(min(scores, key=scores.__getitem__), scores), packed
+
+
+def select_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> PackedWeight:
+    """``weight`` in the form of the backend that multiplies it fastest here (recorded, or measured now)."""
+    supported = {backend.name for backend in candidates(weight)}
+    forced = os.environ.get(FORCE_VARIABLE)
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"{FORCE_VARIABLE}={forced!r}: choose one of {', '.join(BACKENDS)}")
+        name = forced if forced in supported else "aten"
+        return BACKENDS[name].pack(weight)
+    if len(supported) == 1:
+        return BACKENDS["aten"].pack(weight)
+    key = selection_key(weight, rows)
+    recorded = recorded_selections().get(key)
+    if isinstance(recorded, dict) and recorded.get("backend") in supported:
+        return BACKENDS[recorded["backend"]].pack(weight)
+    selection, packed = measure(weight, rows)
+    logger.info("GEMM %s: %s (scores %s)", key, selection.backend, selection.measured)
+    _record(key, selection)
+    return packed[selection.backend]

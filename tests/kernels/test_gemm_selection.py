@@ -1,0 +1,137 @@
+"""GEMM backend selection: every backend multiplies like ``F.linear``, whichever one wins on the
+machine running the tests, and a verdict is measured once per shape, recorded and reused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.kernels import gemm_selection
+from tessera.kernels.gemm import BACKENDS, AtenWeight, candidates
+from tessera.models.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    pack_weight,
+    process_weights_after_loading,
+)
+
+torch.set_num_threads(2)
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def selection_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test starts with no recorded verdicts (the machine's real file is left alone)."""
+    path = tmp_path / gemm_selection.SELECTION_FILE
+    monkeypatch.setattr(gemm_selection, "selection_path", lambda: path)
+    monkeypatch.delenv(gemm_selection.FORCE_VARIABLE, raising=False)
+    return path
+
+
+def backend_names(dtype: torch.dtype) -> list[str]:
+    return [backend.name for backend in candidates(torch.empty(1, 1, dtype=dtype))]
+
+
+CASES = [(name, dtype) for dtype in TOLERANCE for name in backend_names(dtype)]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+@pytest.mark.parametrize("rows", [1, 13, 300])
+def test_every_backend_multiplies_like_f_linear(backend: str, dtype: torch.dtype, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
+    x = torch.randn(rows, 80, generator=generator).to(dtype)
+    packed = BACKENDS[backend].pack(weight)
+    tolerance = TOLERANCE[dtype]
+    for with_bias in (None, bias):
+        expected = F.linear(x.float(), weight.float(), None if with_bias is None else bias.float())
+        got = packed.matmul(x, with_bias)
+        assert got.dtype == dtype and got.shape == (rows, 96)
+        torch.testing.assert_close(got.float(), expected, atol=tolerance * 10, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("backend", "dtype"), CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+def test_forced_backend_serves_sharded_layers_like_aten(
+    backend: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tensor-parallel shards (column: half the outputs, row: half the inputs) on each backend."""
+    monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, backend)
+    x = torch.randn(7, 80).to(dtype)
+    for layer, shard_input in (
+        (ColumnParallelLinear(80, 96, bias=True, params_dtype=dtype, tp_rank=1, tp_size=2), x),
+        (RowParallelLinear(80, 96, bias=False, params_dtype=dtype, tp_rank=1, tp_size=2), x[:, :40]),
+    ):
+        for param in layer.parameters():
+            param.data.normal_()
+        expected = F.linear(shard_input, layer.weight, getattr(layer, "bias", None))
+        process_weights_after_loading(layer)
+        assert layer.packed_weight is not None and layer.packed_weight.backend == backend
+        released = layer.weight.numel() == 0
+        assert released == (backend != "aten")  # a packed copy replaces the dense one
+        got = layer.matmul(shard_input, getattr(layer, "bias", None))
+        torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype])
+
+
+def test_a_verdict_is_measured_once_recorded_and_reused(
+    selection_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weight = torch.randn(64, 48)
+    first = pack_weight(weight, (4, 32))
+    assert first is not None
+    recorded = json.loads(selection_file.read_text())
+    key = gemm_selection.selection_key(weight, (4, 32))
+    assert key.startswith("float32:64x48:threads=2:rows=4,32")
+    assert recorded[key]["backend"] == first.backend
+    assert set(recorded[key]["scores"]) == {backend.name for backend in candidates(weight)}
+    assert min(recorded[key]["scores"].values()) == recorded[key]["scores"][first.backend]
+
+    def no_measuring(*args: object) -> None:
+        raise AssertionError("a recorded verdict was measured again")
+
+    monkeypatch.setattr(gemm_selection, "measure", no_measuring)
+    again = pack_weight(torch.randn(64, 48), (4, 32))
+    assert again is not None and again.backend == first.backend
+
+
+def test_a_recorded_verdict_is_honoured_and_others_kept(selection_file: Path) -> None:
+    weight = torch.randn(64, 48)
+    key = gemm_selection.selection_key(weight, gemm_selection.LAYER_ROWS)
+    other = {"backend": "onednn", "scores": {}}
+    selection_file.write_text(json.dumps({key: {"backend": "aten", "scores": {}}, "other-shape": other}))
+    packed = pack_weight(weight)
+    assert isinstance(packed, AtenWeight)
+    # A new shape is measured and merged in; verdicts recorded before stay.
+    pack_weight(torch.randn(32, 48))
+    recorded = json.loads(selection_file.read_text())
+    assert recorded["other-shape"] == other and recorded[key]["backend"] == "aten"
+    assert gemm_selection.selection_key(torch.randn(32, 48), gemm_selection.LAYER_ROWS) in recorded
+
+
+def test_shards_are_selected_at_their_own_shapes(selection_file: Path) -> None:
+    column = ColumnParallelLinear(80, 96, tp_rank=0, tp_size=2)
+    row = RowParallelLinear(80, 96, tp_rank=0, tp_size=2)
+    for layer in (column, row):
+        layer.weight.data.normal_()
+        process_weights_after_loading(layer)
+    shapes = {key.split(":")[1] for key in json.loads(selection_file.read_text())}
+    assert shapes == {"48x80", "96x40"}
+
+
+def test_an_unsupported_recorded_backend_is_measured_again(selection_file: Path) -> None:
+    weight = torch.randn(64, 48, dtype=torch.bfloat16)
+    key = gemm_selection.selection_key(weight, gemm_selection.LAYER_ROWS)
+    selection_file.write_text(json.dumps({key: {"backend": "mkl", "scores": {}}}))  # mkl has no bf16 GEMM
+    packed = pack_weight(weight)
+    assert packed is not None and packed.backend != "mkl"
+    assert json.loads(selection_file.read_text())[key]["backend"] == packed.backend
+
+
+def test_an_unknown_forced_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, "blas9000")
+    with pytest.raises(ValueError, match="TESSERA_GEMM_BACKEND='blas9000'.*aten"):
+        pack_weight(torch.randn(8, 8))
