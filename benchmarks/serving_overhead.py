@@ -23,17 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 from common import environment_info, new_figure, save_figure, set_threads, write_json
 from offline_throughput import MODEL, Request, build_workload
+from servers import free_port, running_server
 
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import run_benchmark
@@ -68,42 +65,16 @@ def run_offline(requests: list[Request], threads: int) -> dict[str, Any]:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_served(requests: list[Request], threads: int) -> dict[str, Any]:
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "tessera.cli", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port)]
     args += ["--dtype", "float32", "--num-threads", str(threads), "--served-model-name", "model"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    with tempfile.TemporaryFile() as log:
-        server = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise RuntimeError(f"server did not start:\n{log.read().decode()[-3000:]}")
-                try:
-                    if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            bench = [
-                BenchRequest(r.prompt_token_ids, len(r.prompt_token_ids), r.output_len) for r in requests
-            ]
-            asyncio.run(
-                run_benchmark(base_url, "model", [BenchRequest(bench[0].prompt[:16], 16, 4)])
-            )  # warm-up
-            summary, _ = asyncio.run(run_benchmark(base_url, "model", bench))
-        finally:
-            server.terminate()
-            server.wait(timeout=60)
+    with running_server(args, env, base_url):
+        bench = [BenchRequest(r.prompt_token_ids, len(r.prompt_token_ids), r.output_len) for r in requests]
+        asyncio.run(run_benchmark(base_url, "model", [BenchRequest(bench[0].prompt[:16], 16, 4)]))  # warm-up
+        summary, _ = asyncio.run(run_benchmark(base_url, "model", bench))
     if summary["failed_requests"]:
         raise RuntimeError(f"served run had failures: {summary.get('errors')}")
     expected = sum(r.output_len for r in requests)
