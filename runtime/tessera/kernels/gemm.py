@@ -71,6 +71,21 @@ class OneDnnPackedWeight(PackedWeight):
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
 
+class Fp32MklPackedWeight(PackedWeight):
+    """A bf16 weight multiplied in fp32 through MKL's packed GEMM: on CPUs without bf16 dot-product
+    instructions (no AVX512-BF16 / AMX) bf16 GEMMs run several times slower than fp32 ones, and the
+    conversions of the activations cost far less than that. The result is rounded back to bf16."""
+
+    backend = "mkl_fp32"
+
+    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
+        self.inner = MklPackedWeight(weight.float(), ops)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self.inner.matmul(x.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+
+
 @dataclass(frozen=True)
 class GemmBackend:
     name: str
@@ -86,7 +101,7 @@ def _mkl_ops(weight: torch.Tensor) -> ModuleType | None:
 def _pack_mkl(weight: torch.Tensor) -> PackedWeight:
     ops = _mkl_ops(weight)
     assert ops is not None, "MKL's packed GEMM is unavailable"
-    return MklPackedWeight(weight, ops)
+    return MklPackedWeight(weight, ops) if weight.dtype == torch.float32 else Fp32MklPackedWeight(weight, ops)
 
 
 BACKENDS: dict[str, GemmBackend] = {
@@ -94,13 +109,22 @@ BACKENDS: dict[str, GemmBackend] = {
     for backend in (
         GemmBackend("aten", lambda w: True, AtenWeight),
         GemmBackend(
-            "mkl", lambda w: w.device.type == "cpu" and w.dtype == torch.float32 and _mkl_ops(w) is not None, _pack_mkl
+            "mkl",
+            lambda w: w.device.type == "cpu" and w.dtype == torch.float32 and _mkl_ops(w) is not None,
+            _pack_mkl,
+        ),
+        GemmBackend(
+            "mkl_fp32",
+            lambda w: w.device.type == "cpu" and w.dtype == torch.bfloat16 and _mkl_ops(w) is not None,
+            _pack_mkl,
         ),
         GemmBackend(
             "onednn",
-            lambda w: w.device.type == "cpu"
-            and w.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available(),
+            lambda w: (
+                w.device.type == "cpu"
+                and w.dtype in (torch.float32, torch.bfloat16)
+                and torch.backends.mkldnn.is_available()
+            ),
             OneDnnPackedWeight,
         ),
     )

@@ -1,6 +1,6 @@
 """Choose each weight's GEMM backend by measuring the candidates on this machine, once.
 
-A choice is per ``(out, in, dtype, threads, row profile)``: tensor-parallel shards are
+A choice is per ``(out, in, dtype, threads, row profile, candidates)``: tensor-parallel shards are
 measured at their own shapes. It is recorded in ``gemm_selection.json`` beside the native
 kernel build (same folder, same key: torch version, CPU flags, kernel sources), so a machine
 measures a shape once and every later load, on any rank, reuses the verdict.
@@ -54,7 +54,12 @@ def selection_path() -> Path:
 def selection_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
     out_features, in_features = weight.shape
     dtype = str(weight.dtype).removeprefix("torch.")
-    return f"{dtype}:{out_features}x{in_features}:threads={torch.get_num_threads()}:rows={','.join(map(str, rows))}"
+    # The candidates too: a verdict among fewer backends (kernels disabled, new backend) is no verdict.
+    names = ",".join(backend.name for backend in candidates(weight))
+    return (
+        f"{dtype}:{out_features}x{in_features}:threads={torch.get_num_threads()}"
+        f":rows={','.join(map(str, rows))}:candidates={names}"
+    )
 
 
 def _read(path: Path) -> dict[str, Any]:
