@@ -405,6 +405,8 @@ def main() -> None:
             name += f"_n{args.num_requests}"
         if batch_sizes != [8, 16, 32, 64]:
             name += "_bs" + "-".join(map(str, batch_sizes))
+        if tuple(args.dtypes) != DTYPES:
+            name += "_" + "-".join(SHORT_DTYPE[d] for d in args.dtypes)
 
     from transformers import AutoConfig, AutoTokenizer
 

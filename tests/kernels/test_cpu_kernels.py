@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from tessera import kernels
+from tessera.kernels.gemm import MklPackedWeight, OneDnnPackedWeight
 from tessera.models.layers.activation import SiluAndMul
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
-from tessera.kernels.gemm import MklPackedWeight, OneDnnPackedWeight
 from tessera.models.layers.linear import ColumnParallelLinear, process_weights_after_loading
 from tessera.models.layers.norm import RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_

@@ -23,15 +23,6 @@ torch.set_num_threads(2)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(autouse=True)
-def selection_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test starts with no recorded verdicts (the machine's real file is left alone)."""
-    path = tmp_path / gemm_selection.SELECTION_FILE
-    monkeypatch.setattr(gemm_selection, "selection_path", lambda: path)
-    monkeypatch.delenv(gemm_selection.FORCE_VARIABLE, raising=False)
-    return path
-
-
 def backend_names(dtype: torch.dtype) -> list[str]:
     return [backend.name for backend in candidates(torch.empty(1, 1, dtype=dtype))]
 
@@ -74,7 +65,9 @@ def test_forced_backend_serves_sharded_layers_like_aten(
         released = layer.weight.numel() == 0
         assert released == (backend != "aten")  # a packed copy replaces the dense one
         got = layer.matmul(shard_input, getattr(layer, "bias", None))
-        torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype])
+        torch.testing.assert_close(
+            got.float(), expected.float(), atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype]
+        )
 
 
 def test_a_verdict_is_measured_once_recorded_and_reused(

@@ -1,0 +1,18 @@
+"""Kernel tests never record GEMM verdicts into the machine's real selection file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tessera.kernels import gemm_selection
+
+
+@pytest.fixture(autouse=True)
+def selection_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test starts with no recorded verdicts and no forced backend."""
+    path = tmp_path / gemm_selection.SELECTION_FILE
+    monkeypatch.setattr(gemm_selection, "selection_path", lambda: path)
+    monkeypatch.delenv(gemm_selection.FORCE_VARIABLE, raising=False)
+    return path
