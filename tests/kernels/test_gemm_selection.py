@@ -126,5 +126,5 @@ def test_an_unsupported_recorded_backend_is_measured_again(selection_file: Path)
 
 def test_an_unknown_forced_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, "blas9000")
-    with pytest.raises(ValueError, match="TESSERA_GEMM_BACKEND='blas9000'.*aten"):
+    with pytest.raises(ValueError, match=r"TESSERA_GEMM_BACKEND='blas9000'.*aten"):
         pack_weight(torch.randn(8, 8))
