@@ -48,6 +48,17 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> list[str]:
+    """The instruction sets (``/proc/cpuinfo`` flags): which GEMM kernels a CPU can run depends on them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return []
+
+
 def git_revision() -> str | None:
     # Read-only query; a benchmark run outside a checkout simply has no revision.
     try:
@@ -75,6 +86,7 @@ def environment_info() -> dict[str, Any]:
         "hostname": platform.node(),
         "platform": platform.platform(),
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
         "cpu_count_host": os.cpu_count(),
         "cpu_count_available": available_cores(),
         "torch_num_threads": torch.get_num_threads(),
