@@ -78,7 +78,7 @@ def test_a_verdict_is_measured_once_recorded_and_reused(
     assert first is not None
     recorded = json.loads(selection_file.read_text())
     key = gemm_selection.selection_key(weight, (4, 32))
-    assert key.startswith("float32:64x48:threads=2:rows=4,32")
+    assert key.startswith(f"float32:64x48:threads={torch.get_num_threads()}:rows=4,32")
     assert recorded[key]["backend"] == first.backend
     assert set(recorded[key]["scores"]) == {backend.name for backend in candidates(weight)}
     assert min(recorded[key]["scores"].values()) == recorded[key]["scores"][first.backend]
