@@ -130,6 +130,57 @@ def measure_matmul_peak(
     }
 
 
+def _single_thread_gemm_rate(ready: Any, start: Any, seconds: float, result: Any) -> None:
+    """Decoder-shaped fp32 GEMMs (64 rows x 576 -> 1536) on one thread for ``seconds``."""
+    torch.set_num_threads(1)
+    x, w = torch.randn(64, 576), torch.randn(1536, 576)
+    torch.nn.functional.linear(x, w)  # warm-up
+    ready.set()
+    start.wait()
+    done, stop_at = 0, time.perf_counter() + seconds
+    while time.perf_counter() < stop_at:
+        torch.nn.functional.linear(x, w)
+        done += 1
+    result.put(done / seconds)
+
+
+def measure_process_scaling(processes: int = 2, seconds: float = 5.0) -> dict[str, Any]:
+    """How much work ``processes`` single-thread processes get done together versus one alone.
+
+    The ceiling of any multi-rank speedup on this machine: vCPUs may share a physical core or
+    memory bandwidth, so N "cores" need not give N times one core's work.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+
+    def run(count: int) -> float:
+        ready = [context.Event() for _ in range(count)]
+        start, result = context.Event(), context.Queue()
+        workers = [
+            context.Process(target=_single_thread_gemm_rate, args=(r, start, seconds, result)) for r in ready
+        ]
+        for worker in workers:
+            worker.start()
+        for event in ready:
+            event.wait()
+        start.set()
+        total = sum(result.get() for _ in workers)
+        for worker in workers:
+            worker.join()
+        return total
+
+    alone = run(1)
+    together = run(processes)
+    return {
+        "processes": processes,
+        "workload": "fp32 linear 64x576 -> 1536, one thread per process",
+        "calls_per_s_one_process": alone,
+        "calls_per_s_all_processes": together,
+        "speedup": together / alone,
+    }
+
+
 def write_json(name: str, data: dict[str, Any]) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{name}.json"

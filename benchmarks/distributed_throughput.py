@@ -25,7 +25,7 @@ import random
 import time
 from typing import Any
 
-from common import environment_info, new_figure, save_figure, write_json
+from common import environment_info, measure_process_scaling, new_figure, save_figure, write_json
 
 MODEL = "smollm2-135m-instruct"
 TARGET_PP_SPEEDUP = 1.8
@@ -124,6 +124,8 @@ def main() -> None:
         args.num_requests, args.output_len = 16, 32
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     prompts = workload(args.num_requests, args.prompt_len)
+    scaling = measure_process_scaling(2)
+    print(f"two single-thread processes do {scaling['speedup']:.2f}x one process's work", flush=True)
     results = {}
     partition = [int(n) for n in args.layer_partition.split(",")] if args.layer_partition else None
     for name, model, layout in SETTINGS:
@@ -152,11 +154,16 @@ def main() -> None:
         },
         "environment": environment_info(),
         "results": results,
+        "process_scaling": scaling,
         "pp2_in_flight_speedup": in_flight,
+        "pp2_in_flight_share_of_machine_ceiling": in_flight / scaling["speedup"],
         "target_pp2_speedup": TARGET_PP_SPEEDUP,
         "meets_target": in_flight >= TARGET_PP_SPEEDUP,
     }
-    print(f"PP=2 with batches in flight: {in_flight:.2f}x PP=1 (target {TARGET_PP_SPEEDUP}x)")
+    print(
+        f"PP=2 with batches in flight: {in_flight:.2f}x PP=1 (target {TARGET_PP_SPEEDUP}x; "
+        f"this machine's two-process ceiling {scaling['speedup']:.2f}x)"
+    )
     write_json(
         "distributed_throughput" + (f"_partition_{'_'.join(map(str, partition))}" if partition else ""), data
     )
