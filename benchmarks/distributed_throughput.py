@@ -1,17 +1,21 @@
 """Multi-rank throughput: pipeline parallelism with batches in flight, and tensor parallelism.
 
-One torch thread per rank process, a decode-heavy workload (64 concurrent requests of 32 prompt
-and 128 output tokens, EOS ignored, greedy) on SmolLM2-135M-Instruct in fp32, all in one run:
+One torch thread per rank process, a decode-heavy workload (256 concurrent requests of 32 prompt
+and 64 output tokens, EOS ignored, greedy) on SmolLM2-135M-Instruct in fp32, all in one run:
 
 - PP=1 (one rank, in the engine core's process);
 - PP=2 with one batch at a time (``max_batches_in_flight=1``: the stages take turns);
-- PP=2 with two batches in flight (the default: both stages busy);
+- PP=2 with two batches in flight (the default: both stages busy), with the engine's even layer
+  split and then with a split balanced by measurement: the even run's per-rank compute time gives
+  one layer's cost and the last stage's extra (LM head, sampling), and the balanced split is
+  the one whose slower stage is fastest (so no CPU's favourite split is written down here);
 - TP=1 vs TP=2, on a random-weight model of SmolLM2's shape with 12 query / 4 KV heads of 48
   (SmolLM2's 9 heads do not split over 2 ranks; FLOPs and memory traffic are the same).
 
 For each multi-rank setting it records every rank's time in collectives and in stage-to-stage
 transfers (which includes waiting for the previous stage) against its time in steps. On 2 cores
-PP=2 can reach at most 2x PP=1.
+PP=2 can reach at most 2x PP=1; the run also measures how much work two single-thread processes
+get done together on this machine versus one alone (vCPUs may share a core or memory bandwidth).
 
 Run: ``.venv/bin/python benchmarks/distributed_throughput.py [--quick]``.
 Writes ``benchmarks/results/distributed_throughput.json`` and ``.png``.
@@ -20,6 +24,7 @@ Writes ``benchmarks/results/distributed_throughput.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import time
@@ -88,6 +93,7 @@ def measure(model: str, layout: dict[str, Any], prompts: list[Any], output_len: 
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - started
         ranks = executor.collective_rpc("comm_stats") if llm.config.world_size > 1 else []
+        num_layers = json.loads((llm.engine.model_dir / "config.json").read_text())["num_hidden_layers"]
     finally:
         llm.engine.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -98,6 +104,7 @@ def measure(model: str, layout: dict[str, Any], prompts: list[Any], output_len: 
         rank["step_share_of_wall"] = rank["step_seconds"] / seconds
     return {
         "layout": layout,
+        "stage_layers": [end - start for start, end in llm.config.parallel.stage_layers(num_layers)],
         "seconds": seconds,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / seconds,
@@ -110,9 +117,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="16 requests of 32 tokens: a smoke run")
     parser.add_argument(
         "--layer-partition",
@@ -135,13 +142,18 @@ def main() -> None:
             even_heads_model() if model == "even-heads" else model, layout, prompts, args.output_len
         )
         print(f"{name:28s} {results[name]['output_tokens_per_s']:7.1f} output tok/s", flush=True)
+        if name == "PP=2, batches in flight" and not partition:
+            balanced = balanced_partition(results[name]["ranks"], results[name]["stage_layers"])
+            name = f"PP=2, batches in flight, {balanced[0]}/{balanced[1]}"
+            results[name] = measure(model, {**layout, "layer_partition": balanced}, prompts, args.output_len)
+            print(f"{name:28s} {results[name]['output_tokens_per_s']:7.1f} output tok/s", flush=True)
     for name, result in results.items():
         base = results["TP=1 (12 heads)" if "12 heads" in name else "PP=1"]
         result["speedup_vs_single_rank"] = result["output_tokens_per_s"] / base["output_tokens_per_s"]
         result["same_tokens_as_single_rank"] = result["token_ids"] == base["token_ids"]
     for result in results.values():
         result.pop("token_ids")
-    in_flight = results["PP=2, batches in flight"]["speedup_vs_single_rank"]
+    in_flight = max(r["speedup_vs_single_rank"] for n, r in results.items() if "in flight" in n)
     data = {
         "benchmark": "distributed_throughput",
         "model": MODEL,
@@ -171,6 +183,21 @@ def main() -> None:
         results,
         "distributed_throughput" + (f"_partition_{'_'.join(map(str, partition))}" if partition else ""),
     )
+
+
+def balanced_partition(ranks: list[dict[str, Any]], stage_layers: list[int]) -> list[int]:
+    """Two stages' layer counts that balance their measured compute.
+
+    Stage 0's compute (step time less its sends) over its layers is one layer's cost; stage 1's
+    compute (step time less waiting for stage 0) beyond its layers' share is the last stage's
+    extra work. The split minimises the slower stage's time.
+    """
+    first, last = sorted(ranks, key=lambda r: r["rank"])
+    layer_cost = (first["step_seconds"] - first["p2p_seconds"]) / stage_layers[0]
+    extra = last["step_seconds"] - last["p2p_seconds"] - layer_cost * stage_layers[1]
+    total = sum(stage_layers)
+    best = min(range(1, total), key=lambda x: max(x * layer_cost, (total - x) * layer_cost + extra))
+    return [best, total - best]
 
 
 def plot(results: dict[str, dict[str, Any]], figure_name: str) -> None:
