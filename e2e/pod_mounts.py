@@ -5,6 +5,10 @@ bind-mounts every emptyDir of the pod (a folder under the pod's state dir; `medi
 tmpfs) at its mountPath, the image's baked-in artefacts (the host's Tessera cache, read-only, at
 /opt/tessera/cache), and remounts the root read-only when the container asks for it. The mounts
 live only in that namespace, so they vanish with the container's last process: nothing to undo.
+
+The host folders that stand for the image's programs (the project with its venv, the Python it
+runs on) stay visible at their own paths even when a volume is mounted over a parent of theirs
+(a checkout under /tmp, and a /tmp emptyDir): they are bound aside first and back on top after.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,9 @@ from typing import Any
 # Where the runtime image keeps its prebuilt model conversions and CPU kernels (images/runtime-cpu.Dockerfile).
 IMAGE_PREBUILT_DIR = "/opt/tessera/cache"
 MEMORY_TMPFS_SIZE = "256m"
+# Where image folders hidden by a volume wait (in the container's namespace) while volumes mount.
+IMAGE_STASH_DIR = "/opt/tessera/host"
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("node-agent")
 
 
@@ -40,6 +48,17 @@ class Mount:
             return f"mount -t tmpfs -o size={MEMORY_TMPFS_SIZE} tmpfs {target}"
         options = "-o ro " if self.read_only else ""
         return f"mount --bind {options}{shlex.quote(self.source)} {target}"
+
+
+def image_paths() -> list[str]:
+    """Host folders that stand for the image's programs: the project (editable sources and its
+    venv) and the Python installation the venv runs on; none inside another."""
+    candidates = {PROJECT_ROOT, Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve()}
+    return sorted(
+        str(path)
+        for path in candidates
+        if not any(path != other and path.is_relative_to(other) for other in candidates)
+    )
 
 
 def container_mounts(pod: Mapping[str, Any], container: Mapping[str, Any], pod_dir: Path) -> list[Mount]:
@@ -69,9 +88,22 @@ def ensure_mount_points(mounts: list[Mount]) -> None:
         Path(mount.target).mkdir(parents=True, exist_ok=True)
 
 
-def mount_prologue(mounts: list[Mount], read_only_root: bool) -> str:
-    """Shell commands run inside the container's mount namespace before its command."""
-    lines = [m.shell() for m in mounts]
+def mount_prologue(mounts: list[Mount], read_only_root: bool, keep_visible: Sequence[str] = ()) -> str:
+    """Shell commands run inside the container's mount namespace before its command.
+
+    Each folder of ``keep_visible`` that a mount would hide is bound aside before the mounts and
+    back at its own path after them (read-only under a read-only root, as an image is)."""
+    hidden = [path for path in keep_visible if any(Path(path).is_relative_to(m.target) for m in mounts)]
+    stashes = [f"{IMAGE_STASH_DIR}/{i}" for i in range(len(hidden))]
+    lines = [
+        f"mkdir -p {s} && mount --bind {shlex.quote(p)} {s}" for p, s in zip(hidden, stashes, strict=True)
+    ]
+    lines += [m.shell() for m in mounts]
+    options = "-o ro " if read_only_root else ""
+    lines += [
+        f"mkdir -p {shlex.quote(p)} && mount --bind {options}{s} {shlex.quote(p)}"
+        for p, s in zip(hidden, stashes, strict=True)
+    ]
     if read_only_root:
         lines.append("mount -o remount,bind,ro /")
     return "".join(f"{line} && " for line in lines)

@@ -163,7 +163,9 @@ class PodRuntime:
         cwd = pod_mounts.working_dir(container.spec, self.dir, mounts)
         Path(cwd).mkdir(parents=True, exist_ok=True)
         pod_mounts.ensure_mount_points(mounts)
-        script = pod_mounts.mount_prologue(mounts, pod_mounts.read_only_root(container.spec))
+        script = pod_mounts.mount_prologue(
+            mounts, pod_mounts.read_only_root(container.spec), pod_mounts.image_paths()
+        )
         sandbox_exec = [podnet.IP, "netns", "exec", self.sandbox.netns]
         sandbox_exec += ["unshare", "--uts", "--mount", "--propagation", "private", "--"]
         log = open(self.dir / f"{container.name}.log", "ab")  # noqa: SIM115 (the child holds it)

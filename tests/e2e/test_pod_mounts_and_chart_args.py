@@ -40,6 +40,20 @@ def test_a_rank_pod_gets_its_emptydirs_a_tmpfs_the_prebuilt_cache_and_a_read_onl
     assert prologue.index("--bind -o ro") < prologue.index("remount")
 
 
+def test_image_folders_under_a_volume_stay_visible_at_their_own_paths() -> None:
+    # A checkout (and its venv) under /tmp, and a /tmp emptyDir: the program must still be there.
+    mounts = [pod_mounts.Mount("/tmp", "/state/pod/volumes/tmp"), pod_mounts.Mount("/cache", "/state/c")]
+    prologue = pod_mounts.mount_prologue(mounts, True, ["/tmp/checkout", "/usr/local/python"])
+    aside = prologue.index("mount --bind /tmp/checkout /opt/tessera/host/0")
+    volume = prologue.index("mount --bind /state/pod/volumes/tmp /tmp")
+    back = prologue.index("mount --bind -o ro /opt/tessera/host/0 /tmp/checkout")
+    assert aside < volume < back < prologue.index("remount,bind,ro")
+    assert "/usr/local/python" not in prologue  # nothing hides it
+    assert set(pod_mounts.image_paths()) >= {str(pod_mounts.PROJECT_ROOT)} or any(
+        pod_mounts.PROJECT_ROOT.is_relative_to(path) for path in pod_mounts.image_paths()
+    )
+
+
 def test_a_container_starts_in_its_pod_folder_unless_a_mount_hides_it(tmp_path: Path) -> None:
     pod_dir = tmp_path / "pods" / "ns_p_1"
     assert pod_mounts.working_dir({}, pod_dir, []) == str(pod_dir)
