@@ -3,7 +3,8 @@
 Bytes are forwarded both ways untouched, so streaming HTTP responses (server-sent events) pass as
 they are produced. Each new connection picks the next ready address (round robin) from the
 Endpoints object, re-read at most every second, so the proxy follows pods as they come and go;
-an endpoint that refuses the connection is skipped for the next one.
+an endpoint that refuses the connection, or does not answer it within a few seconds (its pod's
+address is gone), is skipped for the next one.
 
     python -m e2e.service_proxy --kubeconfig K --namespace NS --service NAME --port 8000 --listen 18000
 """
@@ -21,6 +22,9 @@ from typing import Any
 from e2e.kube_api import KubeApi, run_until_signalled
 
 ENDPOINTS_TTL_SECONDS = 1.0
+# A deleted pod's address blackholes SYNs (nothing answers ARP): without a bound the connection
+# would wait for the kernel's SYN retries, minutes.
+CONNECT_TIMEOUT_SECONDS = 3.0
 log = logging.getLogger("service-proxy")
 
 
@@ -80,9 +84,11 @@ class ServiceProxy:
             ordered = targets[turn % len(targets) :] + targets[: turn % len(targets)]
             for host, port in ordered:
                 try:
-                    return await asyncio.open_connection(host, port)
-                except OSError:
-                    log.info("%s:%d refused the connection; trying another endpoint", host, port)
+                    return await asyncio.wait_for(
+                        asyncio.open_connection(host, port), CONNECT_TIMEOUT_SECONDS
+                    )
+                except (OSError, TimeoutError) as error:
+                    log.info("%s:%d: %r; trying another endpoint", host, port, error)
             if attempt == 0:
                 await asyncio.sleep(ENDPOINTS_TTL_SECONDS)
                 targets = await self._current_targets(refresh=True)

@@ -87,3 +87,32 @@ def test_the_proxy_picks_ready_addresses_of_the_named_port() -> None:
     assert ready_targets(service, None, 80) == []
     with pytest.raises(ValueError, match="no port 81"):
         ready_targets(service, ENDPOINTS[0], 81)
+
+
+def test_the_proxy_skips_an_endpoint_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A deleted pod's address swallows the SYN: the proxy must move on, not wait for TCP's retries.
+    import asyncio
+
+    from e2e import service_proxy
+
+    async def run() -> str:
+        listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        live_port = listener.sockets[0].getsockname()[1]
+        real_open = asyncio.open_connection
+
+        async def open_connection(host: str, port: int) -> Any:
+            if host == "10.9.9.9":
+                await asyncio.sleep(3600)  # a blackholed address
+            return await real_open(host, port)
+
+        monkeypatch.setattr(service_proxy.asyncio, "open_connection", open_connection)
+        monkeypatch.setattr(service_proxy, "CONNECT_TIMEOUT_SECONDS", 0.2)
+        proxy = service_proxy.ServiceProxy(None, "ns", "web", 80)  # type: ignore[arg-type]
+        proxy._targets, proxy._read_at = [("10.9.9.9", 8080), ("127.0.0.1", live_port)], float("inf")
+        _reader, writer = await asyncio.wait_for(proxy._connect(), 5)
+        peer = writer.get_extra_info("peername")
+        writer.close()
+        listener.close()
+        return f"{peer[0]}:{peer[1] == live_port}"
+
+    assert asyncio.run(run()) == "127.0.0.1:True"
