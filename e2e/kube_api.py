@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -72,7 +73,9 @@ class KubeApi:
 
 def run_until_signalled(kubeconfig: str, serve: Callable[[KubeApi, asyncio.Event], Awaitable[None]]) -> None:
     """The main of the agent's processes: logging, an API client, and SIGTERM/SIGINT setting `stop`."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("E2E_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API request otherwise
 
     async def main() -> None:

@@ -69,9 +69,13 @@ class ServiceProxy:
             log.exception("cannot reach %s:%d", self.service, self.port)
             client_writer.close()
             return
+        peer = upstream_writer.get_extra_info("peername")
+        started = time.monotonic()
+        log.debug("connection to %s", peer)
         await asyncio.gather(_pipe(client_reader, upstream_writer), _pipe(upstream_reader, client_writer))
         for writer in (client_writer, upstream_writer):
             writer.close()
+        log.debug("connection to %s done after %.1f s", peer, time.monotonic() - started)
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """The next ready endpoint that accepts; one whose pod just stopped listening (it is
