@@ -278,6 +278,20 @@ class LocalCluster:
         paths = sorted((self.workdir / "pods").glob(f"{namespace}_{pod}_*/{container}.log"))
         return paths[-1].read_text(errors="replace") if paths else ""
 
+    def pod_logs_since(self, since: float, tail: int = 40) -> str:
+        """The last lines of every container log written since `since` (time.time()), pod by pod:
+        what a failed test prints, so a CI log alone tells why a group never became Ready."""
+        paths = [p for p in (self.workdir / "pods").glob("*/*.log") if p.stat().st_mtime >= since]
+        parts = []
+        for path in sorted(paths, key=lambda p: p.stat().st_mtime):
+            lines = path.read_text(errors="replace").splitlines()[-tail:]
+            parts.append(f"--- pod {path.parent.name}, container {path.stem}\n" + "\n".join(lines))
+        return "\n".join(parts)
+
+    def log_names(self) -> list[str]:
+        """The processes of this cluster that write a log: control plane, agent, proxies."""
+        return sorted(path.stem for path in self.workdir.glob("*.log"))
+
     def logs(self, name: str, tail: int = 40) -> str:
         path = self.workdir / f"{name}.log"
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []

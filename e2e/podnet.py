@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import ipaddress
 import os
 import shutil
@@ -98,7 +99,10 @@ class PodNetwork:
         with _machine_lock():
             used = _second_octets_in_use()
             self.second_octet = next(b for b in FREE_RANGE_CANDIDATES if b not in used)
-            ip("link", "add", self.bridge, "type", "bridge")
+            # A fixed address: a bridge left to itself takes the lowest MAC among its ports, so
+            # each pod's veth joining or leaving can change the gateway's MAC under the other
+            # pods' ARP entries, and their packets to the host vanish for tens of seconds.
+            ip("link", "add", self.bridge, "address", bridge_mac(self.agent_id), "type", "bridge")
             for address in [self.gateway, *(self.host_ip(n) for n in range(self.node_count))]:
                 ip("addr", "add", f"{address}/16", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
@@ -144,6 +148,12 @@ class PodNetwork:
 
     def destroy(self) -> None:
         sweep(self.agent_id)
+
+
+def bridge_mac(agent_id: str) -> str:
+    """A locally administered unicast MAC of this agent's own (02:... never belongs to hardware)."""
+    digest = hashlib.sha256(agent_id.encode()).digest()
+    return ":".join(f"{b:02x}" for b in (0x02, 0x54, *digest[:4]))
 
 
 def resolv_conf(nameserver: str, namespace: str) -> str:

@@ -63,6 +63,19 @@ class Ctx:
         return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", **options)
 
 
+@pytest.fixture(autouse=True)
+def logs_on_failure(request: pytest.FixtureRequest, local_cluster_full: LocalCluster) -> Iterator[None]:
+    """A failed test prints its pods' container logs and the node agent's and proxies' last lines."""
+    started = time.time()
+    yield
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(local_cluster_full.pod_logs_since(started))
+        for name in local_cluster_full.log_names():
+            if name.startswith(("node-agent", "proxy-")):
+                print(f"--- {name}\n{local_cluster_full.logs(name)}")
+
+
 @pytest.fixture(scope="module")
 def operator(
     local_cluster_full: LocalCluster, tmp_path_factory: pytest.TempPathFactory
@@ -210,9 +223,9 @@ def test_rollout_of_two_groups_keeps_answering_every_request(
     ctx.wait_ready("roll")
     try:
         url = local_cluster_full.expose(namespace, "roll", 8000)
-        # A long timeout: on 2 shared cores a surge group's start can stall a request for tens of
-        # seconds (see benchmarks/README.md); this test is about none failing.
-        client = connection_per_request_client(f"{url}/v1", max_retries=0, timeout=300)
+        # A request takes well under a second; 60 s leaves room for 2 shared cores loading a
+        # group, and still fails a request that hangs (as ones did while pods lost the host's MAC).
+        client = connection_per_request_client(f"{url}/v1", max_retries=0, timeout=60)
         with RequestLoop(client, SERVED) as loop:
             time.sleep(2)
             old = revisions(ctx.get_json, namespace, "roll")

@@ -171,6 +171,7 @@ def run_server(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
             access_log=args.log_level == "debug",
+            log_config=None,  # uvicorn's lines go through the root logger: timestamped like ours
         )
     )
 
