@@ -13,6 +13,7 @@ never a silent retry loop; transient errors (5xx, timeouts) raise to the work qu
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -54,6 +55,8 @@ class Reconciler:
         self.resync_seconds = resync_seconds
         self.clock = clock
         self.policy = policy or PodPolicy()
+        # Occurrences of each Event this process posted (by name), so a repeat bumps the count.
+        self._event_counts: dict[str, int] = {}
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
         """Returns when to look again (seconds), or None when the object is gone."""
@@ -211,10 +214,15 @@ class Reconciler:
                     await self.client.request("PUT", core_path(ref.namespace, "services", name), body=fixed)
 
     async def post_events(self, ref: builders.ClusterRef, events: list[Event]) -> None:
+        """One Event object per (object, type, reason, message), as client-go's correlator keeps
+        them: a repeat, or a POST retried after a lost answer, bumps its count instead of
+        adding another object."""
         now = to_rfc3339(self.clock())
+        path = core_path(ref.namespace, "events")
         for event in events:
+            name = event_name(ref, event)
             body = {
-                "metadata": {"generateName": f"{ref.name}.", "namespace": ref.namespace},
+                "metadata": {"name": name, "namespace": ref.namespace},
                 "involvedObject": {
                     "apiVersion": api.API_VERSION,
                     "kind": api.KIND,
@@ -232,9 +240,23 @@ class Reconciler:
                 "count": 1,
             }
             try:
-                await self.client.create(core_path(ref.namespace, "events"), body)
+                try:
+                    await self.client.create(path, body)
+                    self._event_counts[name] = 1
+                except ApiError as exc:
+                    if exc.status != 409:
+                        raise
+                    count = self._event_counts.get(name, 1) + 1
+                    await self.client.merge_patch(f"{path}/{name}", {"count": count, "lastTimestamp": now})
+                    self._event_counts[name] = count
             except ApiError as exc:  # events are best effort: never fail a pass over one
                 log.warning("could not post event %s: %s", event.reason, exc)
+
+
+def event_name(ref: builders.ClusterRef, event: Event) -> str:
+    """A stable name for one kind of Event about one object (the same inputs, the same name)."""
+    digest = hashlib.sha256(f"{ref.uid}\0{event.type}\0{event.reason}\0{event.message}".encode()).hexdigest()
+    return f"{ref.name}.{digest[:16]}"
 
 
 def refusal(reason: str, what: str, exc: ApiError) -> Exception:

@@ -11,7 +11,9 @@ from typing import Any
 
 import yaml
 
+from tessera_operator.builders import ClusterRef
 from tessera_operator.kube import KubeClient
+from tessera_operator.planner import Event
 from tessera_operator.reconcile import Reconciler
 from tests.integration.operator_harness import condition, ic, install_rbac, kjson, pods
 
@@ -35,6 +37,17 @@ def one_pass(kubeconfig: str, ns: str, name: str) -> float | None:
             await client.close()
 
     return asyncio.run(run())
+
+
+def post_again(kubeconfig: str, ref: ClusterRef, event: Event) -> None:
+    async def run() -> None:
+        client = KubeClient.from_environment(kubeconfig)
+        try:
+            await Reconciler(client).post_events(ref, [event])
+        finally:
+            await client.close()
+
+    asyncio.run(run())
 
 
 def warning_events(cluster: Any, ns: str, name: str) -> list[dict[str, Any]]:
@@ -73,6 +86,12 @@ def test_one_pass_without_a_webhook_reports_what_it_cannot_act_on(crds: Any, k8s
     assert "spec.tolerations[0].operator" in degraded["message"] and "422" in degraded["message"]
     [event] = warning_events(cluster, ns, "refused")  # one Event, not one per pass
     assert event["reason"] == "FailedCreate" and "spec.tolerations[0].operator" in event["message"]
+    # Posted again (after a restart, or a POST retried after its answer was lost): the same object,
+    # counted, under the chart's RBAC.
+    ref = ClusterRef("refused", ns, ic(cluster, ns, "refused")["metadata"]["uid"])
+    post_again(kubeconfig, ref, Event(event["type"], event["reason"], event["message"]))
+    [again] = warning_events(cluster, ns, "refused")
+    assert again["metadata"]["uid"] == event["metadata"]["uid"] and again["count"] == 2
     assert not [p for p in pods(cluster, ns) if p["metadata"]["name"].startswith("refused-")]
 
     apply(cluster, ns, "fine")

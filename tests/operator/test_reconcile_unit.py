@@ -10,6 +10,7 @@ import pytest
 
 from tessera_operator import builders
 from tessera_operator.kube import ApiError
+from tessera_operator.planner import Event
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.reconcile import Reconciler
 
@@ -39,7 +40,9 @@ class FakeClient:
     async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("POST", path))
         if path.endswith("/events"):
-            self.events.append(body)
+            if any(e["metadata"]["name"] == body["metadata"]["name"] for e in self.events):
+                raise ApiError(409, {"message": "exists"})
+            self.events.append(copy.deepcopy(body))
             return body
         if self.refuse_pods is not None and path.endswith("/pods"):
             raise self.refuse_pods
@@ -53,6 +56,10 @@ class FakeClient:
 
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.calls.append(("PATCH", path))
+        if "/events/" in path:
+            [event] = [e for e in self.events if e["metadata"]["name"] == path.rsplit("/", 1)[1]]
+            event.update(body)
+            return event
         target = self.objects[path.removesuffix("/status")]
         for key, value in body["status"].items():
             if value is None:
@@ -195,3 +202,21 @@ async def test_the_reconciler_applies_the_operators_pod_policy() -> None:
     await Reconciler(client, clock=lambda: 1.0, policy=allowed).reconcile("ns", "demo")  # type: ignore[arg-type]
     pods = [o for p, o in client.objects.items() if "/pods/" in p]
     assert len(pods) == 4 and all(p["spec"]["serviceAccountName"] == "inference" for p in pods)
+
+
+async def test_a_repeated_event_is_one_object_whose_count_grows() -> None:
+    """As client-go's correlator does: a second post (a repeat, or a POST retried after its answer
+    was lost) bumps the count of the first Event instead of adding another object."""
+    client = fake_with_cluster()
+    clock = iter([1000.0, 1060.0, 1120.0])
+    reconciler = Reconciler(client, clock=lambda: next(clock))  # type: ignore[arg-type]
+    ref = builders.ClusterRef("demo", "ns", "ic-uid")
+    refused = Event("Warning", "FailedCreate", "creating pod demo-g0-s0-t0: 422 Unprocessable")
+    await reconciler.post_events(ref, [refused])
+    await reconciler.post_events(ref, [refused])
+    await reconciler.post_events(ref, [Event("Warning", "FailedCreate", "creating pod demo-g0-s0-t1: 403")])
+    assert [(e["message"], e["count"]) for e in client.events] == [
+        (refused.message, 2),
+        ("creating pod demo-g0-s0-t1: 403", 1),
+    ]
+    assert client.events[0]["firstTimestamp"] != client.events[0]["lastTimestamp"]

@@ -55,5 +55,5 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: ["get", "list", "watch", "create", "update", "delete"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "patch"]
 {{- end -}}
