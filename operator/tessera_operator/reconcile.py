@@ -33,6 +33,7 @@ log = logging.getLogger("tessera_operator.reconcile")
 COMPONENT = "tessera-operator"
 FAILED_CREATE, FAILED_DELETE = "FailedCreate", "FailedDelete"
 WRITE_FAILURES = frozenset({FAILED_CREATE, FAILED_DELETE})
+EVENT_COUNTS_KEPT = 4096
 
 
 class WriteRefused(Exception):
@@ -55,7 +56,8 @@ class Reconciler:
         self.resync_seconds = resync_seconds
         self.clock = clock
         self.policy = policy or PodPolicy()
-        # Occurrences of each Event this process posted (by name), so a repeat bumps the count.
+        # Occurrences of each Event this process posted (by name, least recent first), so a
+        # repeat bumps the count; bounded like client-go's correlator cache.
         self._event_counts: dict[str, int] = {}
 
     async def reconcile(self, namespace: str, name: str) -> float | None:
@@ -240,17 +242,22 @@ class Reconciler:
                 "count": 1,
             }
             try:
-                try:
-                    await self.client.create(path, body)
-                    self._event_counts[name] = 1
-                except ApiError as exc:
-                    if exc.status != 409:
-                        raise
-                    count = self._event_counts.get(name, 1) + 1
-                    await self.client.merge_patch(f"{path}/{name}", {"count": count, "lastTimestamp": now})
-                    self._event_counts[name] = count
+                await self._create_or_count(path, name, body, now)
             except ApiError as exc:  # events are best effort: never fail a pass over one
                 log.warning("could not post event %s: %s", event.reason, exc)
+
+    async def _create_or_count(self, path: str, name: str, body: dict[str, Any], now: str) -> None:
+        try:
+            await self.client.create(path, body)
+            count = 1
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            count = self._event_counts.pop(name, 1) + 1
+            await self.client.merge_patch(f"{path}/{name}", {"count": count, "lastTimestamp": now})
+        self._event_counts[name] = count  # re-inserted last: the oldest entries go first
+        if len(self._event_counts) > EVENT_COUNTS_KEPT:
+            del self._event_counts[next(iter(self._event_counts))]
 
 
 def event_name(ref: builders.ClusterRef, event: Event) -> str:
