@@ -46,7 +46,7 @@ def mixed_batch(block_size: int, seed: int) -> tuple[list[tuple[int, int]], Atte
     """(context_len, query_len) per sequence, decodes first, and the step's metadata."""
     rng = random.Random(seed)
     decodes = [(rng.randint(1, 300), 1) for _ in range(9)]
-    fresh = [(n, n) for n in (1, 7, 40)]
+    fresh = [(n, n) for n in (1, 7, 40, 150)]  # 150: many query tiles and blocks on the many-rows path
     chunked = [(ctx, rng.randint(2, 30)) for ctx in (33, 120)]
     seqs = decodes + fresh + chunked
     blocks_needed = [-(-ctx // block_size) for ctx, _ in seqs]

@@ -101,6 +101,23 @@ inline float sum16(f32x16 v) {
   return v[0];
 }
 
+// In place, m[r][l] becomes m[l][r]: four rounds that swap ever smaller off-diagonal blocks.
+inline void transpose16(f32x16* m) {
+  for (int s = 8; s >= 1; s /= 2) {
+    i32x16 lo, hi;
+    for (int l = 0; l < 16; ++l) {
+      lo[l] = (l & s) == 0 ? l : 16 + l - s;
+      hi[l] = (l & s) == 0 ? l + s : 16 + l;
+    }
+    for (int i = 0; i < 16; ++i) {
+      if (i & s) continue;
+      const f32x16 a = m[i], b = m[i + s];
+      m[i] = __builtin_shuffle(a, b, lo);
+      m[i + s] = __builtin_shuffle(a, b, hi);
+    }
+  }
+}
+
 // exp_approx on 16 lanes.
 inline f32x16 exp16(f32x16 x) {
   const f32x16 floor = broadcast16(-87.0f);
@@ -262,12 +279,189 @@ struct AttentionBatch {
   float scale;
 };
 
-// Per-thread buffers of an item: scaled queries, output accumulators, softmax state.
+// Per-thread buffers of an item: scaled queries, output accumulators, softmax state; the
+// lane-major ones (lane_*) serve the many-rows path below.
 struct TileScratch {
   std::vector<float> query, acc, row_max, row_sum, scores;
+  std::vector<float> lane_query, lane_acc, lane_sum, lane_probs, lane_correction, lane_keys;
+  std::vector<int32_t> lane_pos;
   TileScratch(int64_t rows, int64_t head_dim, int64_t block_size)
       : query(rows * head_dim), acc(rows * head_dim), row_max(rows), row_sum(rows), scores(block_size) {}
 };
+
+// ---- the fp32 fast path for many query rows per KV head (prefills, long chunks) -------------
+//
+// The rows sharing a KV head go sixteen to a vector, a lane each (the queries are transposed
+// once per item), so a block's scores come out as one vector per key with a lane per row: each
+// key element is broadcast from memory into an FMA, and the softmax's max, exp and sums are
+// lane-wise. The one-row path instead reduces every key's products across lanes with shuffles,
+// which x86 runs on a single port: prefill attention was bound there.
+
+constexpr int64_t kLanes = 16;
+// Fewer rows than this per KV head (a decode has just the group) would leave the lanes mostly empty.
+constexpr int64_t kMinLaneRows = 8;
+
+template <int64_t kD>
+void attend_tile_lanes(const AttentionBatch<float>& a, const WorkItem& item, TileScratch& s) {
+  static_assert(kD % 16 == 0, "head_dim must be a multiple of 16");
+  constexpr int64_t kV = kD / 16;
+  constexpr int64_t kPvRows = kD <= 64 ? 4 : 2;  // accumulators of the rows one value load serves
+  const int64_t group = a.group;
+  const int64_t query_len = a.starts[item.seq + 1] - a.starts[item.seq];
+  const int64_t first_pos = a.lens[item.seq] - query_len;
+  const int64_t rows_per_kv_head = (item.q_end - item.q_begin) * group;
+  const int64_t vecs_per_kv_head = (rows_per_kv_head + kLanes - 1) / kLanes;
+  const int64_t lanes = a.num_kv_heads * vecs_per_kv_head * kLanes;
+  if (static_cast<int64_t>(s.lane_pos.size()) < lanes) {
+    s.lane_query.resize(lanes * kD);
+    s.lane_acc.resize(lanes * kD);
+    s.lane_sum.resize(lanes);
+    s.lane_pos.resize(lanes);
+    s.lane_probs.resize(kLanes * kLanes);
+    s.lane_correction.resize(kLanes);
+    s.lane_keys.resize(kLanes * kD);
+  }
+  // Lane L = (kv_head * vecs_per_kv_head) * 16 + i for the KV head's row i = token * group + head.
+  float* query = s.lane_query.data();  // [vector][d][lane]
+  float* acc = s.lane_acc.data();      // [lane][d]
+  float* lane_sum = s.lane_sum.data();
+  int32_t* lane_pos = s.lane_pos.data();  // the row's position; -1 for an empty lane (no key is valid)
+  float* probs = s.lane_probs.data();     // [key][lane] of the current block
+  float* correction = s.lane_correction.data();
+  float* key_block = s.lane_keys.data();  // [key][d] of the current block and KV head
+  const int64_t token_base = a.starts[item.seq] + item.q_begin;
+  auto lane_source = [&](int64_t kv_head, int64_t i, int64_t& token, int64_t& head) {
+    token = i / group;
+    head = kv_head * group + i % group;
+  };
+  std::fill_n(acc, lanes * kD, 0.0f);
+  for (int64_t vec = 0; vec < lanes / kLanes; ++vec) {
+    const int64_t h = vec / vecs_per_kv_head;
+    const float* src[kLanes];  // each lane's query row; nullptr for an empty lane
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      const int64_t i = vec % vecs_per_kv_head * kLanes + lane;
+      src[lane] = nullptr;
+      lane_pos[vec * kLanes + lane] = -1;
+      if (i >= rows_per_kv_head) continue;
+      int64_t token, head;
+      lane_source(h, i, token, head);
+      lane_pos[vec * kLanes + lane] = static_cast<int32_t>(first_pos + item.q_begin + token);
+      src[lane] = a.q + (token_base + token) * a.q_stride + head * kD;
+    }
+    for (int64_t d0 = 0; d0 < kD; d0 += kLanes) {
+      f32x16 block[kLanes];
+      for (int64_t lane = 0; lane < kLanes; ++lane)
+        block[lane] = src[lane] != nullptr ? load16(src[lane] + d0) * a.scale : f32x16{};
+      transpose16(block);
+      for (int64_t k = 0; k < kLanes; ++k) store16(query + (vec * kD + d0 + k) * kLanes, block[k]);
+    }
+  }
+
+  const int64_t* table = a.tables + item.seq * a.table_stride;
+  const int64_t last_pos = first_pos + item.q_end - 1;
+  int64_t first_key = 0;
+  if (a.sliding_window > 0) first_key = std::max<int64_t>(0, first_pos + item.q_begin - a.sliding_window + 1);
+  const int64_t first_block = first_key / kLanes, last_block = last_pos / kLanes;
+  // One vector of rows at a time over all its blocks: its queries, accumulators and the block's
+  // keys stay in L1 (blocks outermost would cycle every row's state through it per block).
+  for (int64_t vec = 0; vec < a.num_kv_heads * vecs_per_kv_head; ++vec) {
+    const int64_t h = vec / vecs_per_kv_head;
+    const float* q = query + vec * kD * kLanes;
+    float* vec_acc = acc + vec * kLanes * kD;
+    i32x16 pos;
+    std::memcpy(&pos, lane_pos + vec * kLanes, sizeof(pos));
+    f32x16 row_max = broadcast16(kNegInf), row_sum{};
+    for (int64_t b = first_block; b <= last_block; ++b) {
+      const int64_t key0 = b * kLanes;
+      const int64_t block_keys = std::min(kLanes, last_pos + 1 - key0);
+      // Each lane's keys in this block: [j0, j1) (causal, and the window's start).
+      i32x16 j1 = pos - static_cast<int32_t>(key0) + 1;
+      const i32x16 keys_here = i32x16{} + static_cast<int32_t>(block_keys);
+      j1 = j1 < keys_here ? j1 : keys_here;
+      i32x16 j0{};
+      if (a.sliding_window > 0) {
+        j0 = pos - static_cast<int32_t>(a.sliding_window + key0) + 1;
+        j0 = j0 > i32x16{} ? j0 : i32x16{};
+      }
+      int32_t lo = kLanes, hi = 0;
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        if (j0[lane] < j1[lane]) {
+          lo = std::min(lo, j0[lane]);
+          hi = std::max(hi, j1[lane]);
+        }
+      }
+      if (lo >= hi) continue;  // no row of this vector sees a key of this block
+      const float* keys = a.cache + table[b] * kLanes * a.token_stride + h * kD;
+      const float* values = keys + a.kv_plane;
+      // The block's keys packed (kD apart, not a cache slot apart): fixed offsets in the loop below.
+      for (int64_t j = lo; j < hi; ++j)
+        for (int64_t i = 0; i < kV; ++i) store16(key_block + j * kD + 16 * i, load16(keys + j * a.token_stride + 16 * i));
+
+      // Scores: one vector (a lane per row) per key; keys outside [lo, hi) are masked below.
+      f32x16 scores[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) scores[j] = f32x16{};
+      for (int64_t d = 0; d < kD; ++d) {
+        const f32x16 qd = load16(q + d * kLanes);
+        for (int64_t j = 0; j < kLanes; ++j) scores[j] += qd * key_block[j * kD + d];
+      }
+      const f32x16 neg_inf = broadcast16(kNegInf);
+      f32x16 block_max = neg_inf;
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const i32x16 key = i32x16{} + static_cast<int32_t>(j);
+        const i32x16 valid = (key >= j0) & (key < j1);
+        scores[j] = valid ? scores[j] : neg_inf;
+        block_max = block_max > scores[j] ? block_max : scores[j];
+      }
+      const f32x16 new_max = row_max > block_max ? row_max : block_max;
+      // A lane with no key yet keeps max -inf: exp's argument must stay finite there.
+      const f32x16 shift = new_max == neg_inf ? f32x16{} : new_max;
+      const f32x16 scale = row_max == neg_inf ? f32x16{} : exp16(row_max - shift);
+      f32x16 sum{};
+      for (int64_t j = lo; j < hi; ++j) {
+        const f32x16 p = scores[j] == neg_inf ? f32x16{} : exp16(scores[j] - shift);
+        store16(probs + j * kLanes, p);
+        sum += p;
+      }
+      row_max = new_max;
+      row_sum = row_sum * scale + sum;
+      store16(correction, scale);
+
+      // Outputs: rows kPvRows at a time, so each value vector loaded serves them all.
+      for (int64_t r0 = 0; r0 < kLanes; r0 += kPvRows) {
+        bool any = false;
+        for (int64_t r = r0; r < r0 + kPvRows; ++r) any |= j0[r] < j1[r];
+        if (!any) continue;  // no key here: the max is unchanged, so the correction is 1 (or 0 on zeros)
+        float* rows_acc = vec_acc + r0 * kD;
+        f32x16 out[kPvRows][kV];
+        for (int64_t r = 0; r < kPvRows; ++r)
+          for (int64_t i = 0; i < kV; ++i) out[r][i] = load16(rows_acc + r * kD + 16 * i) * correction[r0 + r];
+        for (int64_t j = lo; j < hi; ++j) {
+          f32x16 v[kV];
+          for (int64_t i = 0; i < kV; ++i) v[i] = load16(values + j * a.token_stride + 16 * i);
+          for (int64_t r = 0; r < kPvRows; ++r) {
+            const float pj = probs[j * kLanes + r0 + r];  // 0 outside the row's own keys
+            for (int64_t i = 0; i < kV; ++i) out[r][i] += pj * v[i];
+          }
+        }
+        for (int64_t r = 0; r < kPvRows; ++r)
+          for (int64_t i = 0; i < kV; ++i) store16(rows_acc + r * kD + 16 * i, out[r][i]);
+      }
+    }
+    store16(lane_sum + vec * kLanes, row_sum);
+  }
+  for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+    for (int64_t i = 0; i < rows_per_kv_head; ++i) {
+      const int64_t lane = h * vecs_per_kv_head * kLanes + i;
+      int64_t token, head;
+      lane_source(h, i, token, head);
+      float* dst = a.out + (token_base + token) * a.num_heads * kD + head * kD;
+      const float inv = lane_sum[lane] > 0.0f ? 1.0f / lane_sum[lane] : 0.0f;
+      const float* src = acc + lane * kD;
+#pragma omp simd
+      for (int64_t d = 0; d < kD; ++d) dst[d] = src[d] * inv;
+    }
+  }
+}
 
 // kD > 0 fixes head_dim at compile time so the per-key loops unroll into straight vector code;
 // kD == 0 is the generic path for any head_dim.
@@ -276,6 +470,10 @@ constexpr int64_t kPrefetchDistance = 1;
 
 template <typename T, int64_t kD>
 void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& scratch) {
+  if constexpr (kFastPath<T, kD>) {
+    if (a.block_size == kLanes && (item.q_end - item.q_begin) * a.group >= kMinLaneRows)
+      return attend_tile_lanes<kD>(a, item, scratch);
+  }
   const int64_t D = kD > 0 ? kD : a.head_dim;
   const int64_t group = a.group;
   const int64_t query_len = a.starts[item.seq + 1] - a.starts[item.seq];
