@@ -28,6 +28,12 @@ class EngineConfig(BaseModel):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads per rank process")
+    cpu_binding: str = Field(
+        "auto",
+        pattern=r"^(auto|none|\d+(-\d+)?(,\d+(-\d+)?)*)$",
+        description="pin torch threads one per CPU: auto (in Tessera's own processes that own exactly "
+        "their CPUs), none, or a CPU list such as 0-3",
+    )
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
     max_batches_in_flight: int | None = Field(
         None, ge=1, description="batches the engine keeps in flight (default: one per pipeline stage)"

@@ -131,6 +131,23 @@ def test_abort_mid_flight_frees_every_block(tiny_llama_dir: Path):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_reset_prefix_cache_makes_the_same_prompts_compute_again(tiny_llama_dir: Path):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, max_model_len=128)
+    recorder = StatsRecorder(llm)
+    prompts = [SHARED_PREFIX + q for q in QUESTIONS[:3]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    recorder.prefix_hits = 0
+    llm.generate(prompts, params)
+    assert recorder.prefix_hits > 0  # whole prompts are cached
+
+    assert llm.reset_prefix_cache()
+    recorder.prefix_hits = 0
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts[:1], params)]
+    assert recorder.prefix_hits == 0, "a reset cache must hold no block of an earlier prompt"
+    assert again == first[:1]
+
+
 def test_sampling_seed_and_top_k(tiny_llama_dir: Path):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
     prompt = "The weather today is"

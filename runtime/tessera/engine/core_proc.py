@@ -40,6 +40,7 @@ from tessera.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
 )
+from tessera.worker import cpu_binding
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,7 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, on_sigterm)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which shuts us down
     config = EngineConfig.model_validate_json(config_json)
+    cpu_binding.OWN_PROCESS = True
     proc: EngineCoreProc | None = None
     engine: Any = None
     try:

@@ -33,6 +33,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.input_processor.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (vLLM's ``LLM.reset_prefix_cache``): a benchmark that
+        runs the same prompts again measures computing them, not finding them. False while
+        requests still hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

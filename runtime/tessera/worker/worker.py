@@ -22,6 +22,7 @@ from tessera.distributed.communication import COMM_STATS
 from tessera.distributed.parallel_state import destroy_distributed, init_distributed
 from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.topology import Topology
+from tessera.worker.cpu_binding import bind_threads
 from tessera.worker.model_runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,8 +64,11 @@ class Worker:
     ) -> None:
         self.topology = topology or Topology(layout=config.parallel)
         self.device = select_device(config, local_rank)
+        self.pinned_cpus: list[int] | None = None
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or default_num_threads(local_world_size))
+            threads = config.num_threads or default_num_threads(local_world_size)
+            torch.set_num_threads(threads)
+            self.pinned_cpus = bind_threads(config.cpu_binding, threads, local_rank, local_world_size)
         else:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)

@@ -43,7 +43,9 @@ def run_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
         logger.error("invalid topology environment: %s", exc)
         return 2
     from tessera.distributed import rpc
+    from tessera.worker import cpu_binding
 
+    cpu_binding.OWN_PROCESS = True  # a rank process: its threads are nobody else's
     link = rpc.WorkerLink(leader_rpc_addr(topology, environ), topology.rank)
     logger.info(
         "rank %d of %d: joining %s", topology.rank, topology.world_size, leader_rpc_addr(topology, environ)

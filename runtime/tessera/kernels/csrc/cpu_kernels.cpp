@@ -10,6 +10,8 @@
 
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
+#include <omp.h>
+#include <sched.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -323,6 +325,23 @@ torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch
   return out;
 }
 
+// Pins thread t of the OpenMP pool (the one torch, MKL and these kernels share; the caller is
+// thread 0) to cpus[t]. libgomp keeps a team's threads for later regions of the same size, so
+// the pinning lasts while torch's thread count stays len(cpus). Whether each pin took.
+std::vector<bool> bind_threads(const std::vector<int64_t>& cpus) {
+  const int n = static_cast<int>(cpus.size());
+  std::vector<char> pinned(n, 0);
+#pragma omp parallel num_threads(n)
+  {
+    const int t = omp_get_thread_num();
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(static_cast<int>(cpus[t]), &set);
+    pinned[t] = omp_get_num_threads() == n && sched_setaffinity(0, sizeof(set), &set) == 0;
+  }
+  return std::vector<bool>(pinned.begin(), pinned.end());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels touch no Python object: let other threads (heartbeats, sockets) run meanwhile.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -332,5 +351,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache (prefill, decode, mixed)", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, with the residual add fused in when a residual is given", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
+  m.def("bind_threads", &bind_threads, "pin OpenMP thread t to cpus[t]");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place", nogil);
 }
