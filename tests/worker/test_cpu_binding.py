@@ -63,6 +63,9 @@ def test_threads_are_pinned_one_per_cpu_and_stay_pinned() -> None:
         cpu_binding.OWN_PROCESS = True
         pinned = cpu_binding.bind_threads("auto", {len(cpus)})
         torch.randn(512, 512) @ torch.randn(512, 512)  # parallel work in the same pool
+        # A second engine in the same process pins again: the calling thread's narrowed mask
+        # must not read as the process's CPUs.
+        assert cpu_binding.bind_threads(",".join(map(str, pinned)), {len(cpus)}) == pinned
         masks = []
         for task in os.listdir("/proc/self/task"):
             masks.append(sorted(os.sched_getaffinity(int(task))))

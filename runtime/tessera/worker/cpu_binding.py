@@ -22,6 +22,11 @@ logger = logging.getLogger(__name__)
 
 # Set by the entry points of Tessera's own processes: pinning there moves nobody else's threads.
 OWN_PROCESS = False
+# This process's CPUs, read before anything here pins a thread: pinning narrows the calling
+# thread's own mask, which a second engine in the same process would otherwise read.
+PROCESS_CPUS: frozenset[int] = frozenset(
+    os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+)
 CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
 
 
@@ -76,8 +81,7 @@ def bind_threads(
     setting: str, threads: int, local_rank: int = 0, local_world_size: int = 1
 ) -> list[int] | None:
     """Pin torch's ``threads`` threads (call after ``torch.set_num_threads``); the CPUs, or None."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    cpus = choose_cpus(setting, threads, allowed, local_rank, local_world_size, OWN_PROCESS)
+    cpus = choose_cpus(setting, threads, set(PROCESS_CPUS), local_rank, local_world_size, OWN_PROCESS)
     if cpus is None:
         return None
     from tessera.kernels import cpu_kernels

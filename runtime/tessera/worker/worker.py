@@ -22,7 +22,7 @@ from tessera.distributed.communication import COMM_STATS
 from tessera.distributed.parallel_state import destroy_distributed, init_distributed
 from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.topology import Topology
-from tessera.worker.cpu_binding import bind_threads
+from tessera.worker.cpu_binding import PROCESS_CPUS, bind_threads
 from tessera.worker.model_runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,8 +49,7 @@ def default_num_threads(local_world_size: int = 1) -> int:
     run on (its affinity mask, e.g. a container's)."""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         return int(os.environ["OMP_NUM_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_world_size)
+    return max(1, len(PROCESS_CPUS) // local_world_size)
 
 
 class Worker:
