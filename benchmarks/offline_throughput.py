@@ -301,7 +301,6 @@ class TesseraRunner:
             MODEL,
             dtype=self.dtype,
             num_threads=self.threads,
-            cpu_binding=engine_cpus(self.threads),
             **self.engine_args,
         )
         try:
@@ -350,8 +349,8 @@ ALLOWED_CPUS = (
 
 
 def engine_cpus(threads: int) -> str:
-    """The CPU list both engines pin their threads to, one per thread (vLLM's own way, and
-    Tessera's ``cpu_binding``): the same CPUs for both."""
+    """The CPUs vLLM pins its threads to, one per thread (its default); Tessera, by its default,
+    leaves its threads unpinned (``--engine-arg cpu_binding=...`` pins them)."""
     return ",".join(map(str, ALLOWED_CPUS[:threads]))
 
 

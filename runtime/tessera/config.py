@@ -29,10 +29,10 @@ class EngineConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1, description="torch threads per rank process")
     cpu_binding: str = Field(
-        "auto",
+        "none",
         pattern=r"^(auto|none|\d+(-\d+)?(,\d+(-\d+)?)*)$",
-        description="pin torch threads one per CPU: auto (in Tessera's own processes that own exactly "
-        "their CPUs), none, or a CPU list such as 0-3",
+        description="pin torch threads one per CPU: none, auto (in Tessera's own processes that own "
+        "exactly their CPUs), or a CPU list such as 0-3",
     )
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
     max_batches_in_flight: int | None = Field(

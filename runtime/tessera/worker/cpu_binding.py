@@ -3,7 +3,9 @@
 Why: every parallel op ends at a barrier where libgomp's threads meet, hundreds of times a step.
 Unpinned, the kernel may park two of them on one CPU while another process runs on the other,
 and each barrier then waits out a time slice. Measured on a 2-core VM beside one busy-looping
-process, the offline workload ran at 60-63 output tok/s unpinned and 84-96 pinned (alone: alike).
+process, the offline workload ran at 60-63 output tok/s unpinned and 84-96 pinned. Alone on the
+VM it cuts both ways: alike in one hour, 8-10% slower pinned in another (a pinned thread cannot
+leave a vCPU the hypervisor is stealing from). So threads stay unpinned unless asked.
 
 Pinning moves the calling thread too (it is thread 0 of the pool), and children inherit its
 mask, so ``auto`` pins only in Tessera's own processes (the engine core of ``tessera serve``
