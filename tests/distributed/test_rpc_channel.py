@@ -29,7 +29,7 @@ def test_malformed_frames_from_a_peer_are_dropped_and_the_channel_goes_on(tmp_pa
         got.set()
 
     addr = f"ipc://{tmp_path}/rpc"
-    channel = rpc.LeaderChannel([addr], 2, on_message, failures.append)
+    channel = rpc.LeaderChannel([addr], 2, on_message, failures.append).start()
     context = zmq.Context()
     peer = context.socket(zmq.DEALER)
     peer.setsockopt(zmq.IDENTITY, b"rank-1")
@@ -40,6 +40,41 @@ def test_malformed_frames_from_a_peer_are_dropped_and_the_channel_goes_on(tmp_pa
         peer.send_multipart([b"READY", serialization.encode({"rank": 1})])
         assert got.wait(10)
         assert received == [(1, b"READY", {"rank": 1})] and failures == []
+    finally:
+        peer.close(0)
+        context.term()
+        channel.close()
+
+
+def test_messages_wait_for_start_and_a_handler_bug_fails_the_engine_not_the_channel(tmp_path) -> None:
+    """A pod rank can say HELLO before the leader holds its channel: nothing is handled before
+    start(). A handler that raises must not kill the I/O thread (the leader would go deaf and
+    every rank would wait forever): the engine is failed instead, and later messages still arrive."""
+    received: list[tuple[int, bytes, object]] = []
+    failures: list[str] = []
+    got = threading.Event()
+
+    def on_message(rank: int, kind: bytes, payload: object) -> None:
+        if kind == b"HELLO":
+            raise RuntimeError("a handler's bug")
+        received.append((rank, kind, payload))
+        got.set()
+
+    addr = f"ipc://{tmp_path}/rpc"
+    channel = rpc.LeaderChannel([addr], 2, on_message, failures.append)
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"rank-1")
+    peer.connect(addr)
+    try:
+        peer.send_multipart([b"HELLO", serialization.encode({"pid": 1})])
+        peer.send_multipart([b"READY", serialization.encode({"rank": 1})])
+        time.sleep(0.3)
+        assert received == [] and failures == []  # not started: nothing handled yet
+        channel.start()
+        assert got.wait(10)
+        assert received == [(1, b"READY", {"rank": 1})]
+        assert len(failures) == 1 and "HELLO" in failures[0]
     finally:
         peer.close(0)
         context.term()

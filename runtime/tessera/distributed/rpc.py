@@ -77,7 +77,12 @@ class LeaderChannel:
         self.watched: set[int] = set()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rank-channel", daemon=True)
+
+    def start(self) -> LeaderChannel:
+        """Start the I/O thread. Separate from construction: a rank may already be waiting, and
+        its HELLO must not reach ``on_message`` before the owner holds this channel."""
         self._thread.start()
+        return self
 
     # --- the engine core's side -----------------------------------------------------------------
     def send(self, ranks: list[int], kind: bytes, payload: Any) -> None:
@@ -96,7 +101,8 @@ class LeaderChannel:
     def close(self) -> None:
         if not self._closed.is_set():
             self._closed.set()
-            self._thread.join(timeout=2)
+            if self._thread.is_alive():
+                self._thread.join(timeout=2)
             self._zmq.destroy(linger=0)
 
     # --- the I/O thread ------------------------------------------------------------------------
@@ -151,8 +157,13 @@ class LeaderChannel:
             logger.warning("rank channel: message from rank %d outside a world of %d", rank, self.world_size)
             return
         self.last_seen[rank] = time.monotonic()
-        if kind != PONG:
+        if kind == PONG:
+            return
+        try:
             self._on_message(rank, kind, payload)
+        except Exception:  # the I/O thread must outlive a handler's bug: fail the engine, loudly
+            logger.exception("rank channel: handling %r from rank %d failed", kind[:16], rank)
+            self._on_failure(f"the leader failed to handle a {kind[:16]!r} message from rank {rank}")
 
 
 class WorkerLink:

@@ -82,6 +82,7 @@ class DistributedExecutor(Executor):
         self._ready: dict[int, dict[str, Any]] = {}
         self._welcome = {"config": config.model_dump_json(), "model_dir": str(model_dir)}
         self.channel = rpc.LeaderChannel(bind_addrs, self.world_size, self._on_message, self._fail)
+        self.channel.start()  # only now: a pod rank's HELLO may be waiting, and it needs self.channel
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         try:
             for index, rank in enumerate(local_ranks):
