@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -21,6 +22,42 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+# Timed rounds per dtype when two engines take turns: even, so each goes first equally often.
+# On the 2-core VM the engine second in a round measured 5-15% slower, whichever it was
+# (offline fp32: the rounds vLLM went first gave 0.98-1.00x, those Tessera went first 1.02-1.36x).
+DEFAULT_ROUNDS = 4
+
+
+def ratio_summary(ratios: list[float], tessera_first: list[bool]) -> dict[str, Any]:
+    """Tessera / peer over rounds: the median (the headline) and the median of each order's rounds,
+    so that an advantage of going first shows instead of hiding in the headline."""
+
+    def median_of(first: bool) -> float | None:
+        chosen = [
+            ratio for ratio, went_first in zip(ratios, tessera_first, strict=True) if went_first == first
+        ]
+        return statistics.median(chosen) if chosen else None
+
+    return {
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "by_round": ratios,
+        "median_tessera_first": median_of(True),
+        "median_peer_first": median_of(False),
+    }
+
+
+def order_note(tessera_first: float | None, peer_first: float | None) -> str:
+    """'median with Tessera first 1.20x, with vLLM first 1.05x' (a side with no round is left out)."""
+    parts = [
+        f"with {label} first {value:.2f}x"
+        for label, value in (("Tessera", tessera_first), ("vLLM", peer_first))
+        if value is not None
+    ]
+    return "median " + ", ".join(parts) if parts else ""
 
 
 def available_cores() -> int:

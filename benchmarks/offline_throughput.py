@@ -12,19 +12,20 @@ bf16 like Tessera; when it cannot be installed or run, the JSON says why under `
 
 Rounds: the machine is a shared VM whose neighbours' load comes in bursts, so one run per
 engine would let one burst decide the ratio. Per dtype, Tessera's ``LLM`` and vLLM's runner are
-each started and warmed up once, then the timed workload runs ``--rounds`` times (default 3),
-the engines taking turns: round 0 Tessera then vLLM, round 1 vLLM then Tessera, and so on, so a
-slow drift of the load hits both; each engine is idle while the other runs, and both are shut
-down before the next dtype. Tessera / vLLM is the median of the per-round ratios (with its min
-and max); each engine's reported run is its median round by output tok/s (of an even count,
-the slower middle one). Every round's output lengths are checked; the outputs are compared
+each started and warmed up once, then the timed workload runs ``--rounds`` times (default 4:
+even, so each goes first equally often), the engines taking turns: round 0 Tessera then vLLM,
+round 1 vLLM then Tessera, and so on, so a slow drift of the load hits both; each engine is idle
+while the other runs, and both are shut down before the next dtype. Tessera / vLLM is the median
+of the per-round ratios (with its min, max, and the median of the rounds each engine went
+first); each engine's reported run is its median round by output tok/s (of an even count, the
+slower middle one). Every round's output lengths are checked; the outputs are compared
 between the engines in round 0 and within each engine across its rounds (greedy: identical).
 
 transformers runs static batches of the requests in the given order (8/16/32/64 per batch,
 left padding, every row generates the batch's longest requested output); only each request's
 own requested tokens count as useful output, and the best batch size is reported.
 
-Run: ``.venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--rounds 3] [--quick]``
+Run: ``.venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--rounds 4] [--quick]``
 (``--quick``: 16 requests, batch sizes 8/16, 2 rounds unless ``--rounds`` says otherwise).
 Writes ``benchmarks/results/offline_throughput.json`` and ``.png`` (per dtype: ``rounds`` holds
 every round, ``tessera`` and ``vllm_cpu.runs`` the median rounds, ``tessera_vs_vllm`` the
@@ -44,7 +45,6 @@ import os
 import random
 import select
 import signal
-import statistics
 import subprocess
 import tempfile
 import time
@@ -55,9 +55,12 @@ from typing import Any
 
 import torch
 from common import (
+    DEFAULT_ROUNDS,
     environment_info,
     measure_matmul_peak,
     new_figure,
+    order_note,
+    ratio_summary,
     save_figure,
     set_threads,
     write_json,
@@ -603,7 +606,7 @@ def main() -> None:
         "--rounds",
         type=int,
         default=None,
-        help="timed rounds per dtype of Tessera and vLLM, alternating who goes first (default 3; --quick 2)",
+        help=f"timed rounds per dtype of Tessera and vLLM, alternating who goes first (default {DEFAULT_ROUNDS}; --quick 2)",
     )
     parser.add_argument("--skip-tessera", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -615,7 +618,7 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.batch_sizes = 16, [8, 16]
     batch_sizes = sorted({min(b, args.num_requests) for b in args.batch_sizes})
-    rounds = args.rounds if args.rounds is not None else 2 if args.quick else 3
+    rounds = args.rounds if args.rounds is not None else 2 if args.quick else DEFAULT_ROUNDS
     if rounds < 1:
         parser.error("--rounds must be at least 1")
     # Only the standard workload writes the canonical result file.
@@ -765,17 +768,21 @@ def main() -> None:
             round_details[dtype].append(detail)
         paired = [d for d in round_details[dtype] if "ratio_output_tok_s" in d]
         if paired:
-            per_round = [d["ratio_output_tok_s"] for d in paired]
-            ratio = statistics.median(per_round)
+            summary_of_ratios = ratio_summary(
+                [d["ratio_output_tok_s"] for d in paired], [d["order"][0] == "Tessera" for d in paired]
+            )
+            ratio = summary_of_ratios["median"]
             ratios[f"Tessera/vLLM {SHORT_DTYPE[dtype]}"] = ratio
             first = paired[0]["round"]  # round 0 unless vLLM failed there
             ours, theirs = runs["tessera"][first], runs["vllm"][first]
             assert ours is not None and theirs is not None
             comparison[dtype] = {
                 "ratio_output_tok_s": ratio,  # the median of the per-round ratios
-                "ratio_min": min(per_round),
-                "ratio_max": max(per_round),
-                "ratios_by_round": per_round,
+                "ratio_min": summary_of_ratios["min"],
+                "ratio_max": summary_of_ratios["max"],
+                "ratios_by_round": summary_of_ratios["by_round"],
+                "ratio_median_tessera_first": summary_of_ratios["median_tessera_first"],
+                "ratio_median_vllm_first": summary_of_ratios["median_peer_first"],
                 "rounds": len(paired),
                 "order": [d["order"][0] for d in paired],  # which engine went first, per round
                 "target_ratio": TARGET_RATIO_VS_VLLM,
@@ -851,7 +858,8 @@ def main() -> None:
         shown = ", ".join(f"{value:.2f}x" for value in values["ratios_by_round"])
         print(
             f"Tessera/vLLM {SHORT_DTYPE[dtype]}: rounds {shown}; median {values['ratio_output_tok_s']:.2f}x"
-            f" (target {TARGET_RATIO_VS_VLLM}x)"
+            f" (target {TARGET_RATIO_VS_VLLM}x); "
+            + order_note(values["ratio_median_tessera_first"], values["ratio_median_vllm_first"])
         )
     if "ratio_output_tok_s" in report:
         print(f"Tessera/HF fp32: {report['ratio_output_tok_s']:.2f}x (target {TARGET_RATIO}x)")

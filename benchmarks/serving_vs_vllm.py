@@ -10,16 +10,18 @@ the JSON, never skipped silently.
 
 Rounds: on a shared VM one burst of neighbour load can decide a single run, so per dtype both
 servers are started (and warmed up) once and the saturation scenario runs ``--rounds`` times
-(default 3), the servers taking turns: round 0 Tessera then vLLM, round 1 vLLM then Tessera, and
-so on; the idle server waits while the other is measured. Then the fixed-rate scenario runs
-once per server. Every pass sends its own workload (``disjoint_workloads``: no prompt shares a
-first block with an earlier pass's), so no server finds a pass's prompts in its prefix cache. The saturation ratio is the median of the per-round ratios (min, max and every
-round beside it, and every round's summaries under ``saturation_rounds``); each server's
+(default 4, even: each goes first equally often), the servers taking turns: round 0 Tessera
+then vLLM, round 1 vLLM then Tessera, and so on; the idle server waits while the other is
+measured. Then the fixed-rate scenario runs once per server. Every pass sends its own workload
+(``disjoint_workloads``: no prompt shares a first block with an earlier pass's), so no server
+finds a pass's prompts in its prefix cache. The saturation ratio is the median of the per-round
+ratios (min, max, the median of the rounds each server went first, and every round beside it,
+and every round's summaries under ``saturation_rounds``); each server's
 ``saturation`` result is its median round by output throughput (of an even count, the slower
 middle one). Both servers are stopped before the next dtype. If one server fails to start, the
 other still runs and the error is recorded.
 
-Run: ``.venv/bin/python benchmarks/serving_vs_vllm.py [--quick] [--rounds 3] [--dtypes float32 bfloat16]``
+Run: ``.venv/bin/python benchmarks/serving_vs_vllm.py [--quick] [--rounds 4] [--dtypes float32 bfloat16]``
 (``--quick``: 16 requests, fp32 only, 2 rounds unless ``--rounds`` says otherwise).
 Writes ``benchmarks/results/serving_vs_vllm.json`` and ``.png``.
 """
@@ -30,13 +32,21 @@ import argparse
 import asyncio
 import contextlib
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import environment_info, new_figure, save_figure, set_threads, write_json
+from common import (
+    DEFAULT_ROUNDS,
+    environment_info,
+    new_figure,
+    order_note,
+    ratio_summary,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from offline_throughput import (
     DTYPES,
     KV_CACHE_BYTES,
@@ -154,13 +164,13 @@ def main() -> None:
         "--rounds",
         type=int,
         default=None,
-        help="saturation rounds per dtype, alternating which server goes first (default 3; --quick 2)",
+        help=f"saturation rounds per dtype, alternating which server goes first (default {DEFAULT_ROUNDS}; --quick 2)",
     )
     parser.add_argument("--quick", action="store_true", help="16 requests, fp32 only, 2 rounds")
     args = parser.parse_args()
     if args.quick:
         args.num_requests, args.dtypes = 16, ["float32"]
-    rounds = args.rounds if args.rounds is not None else 2 if args.quick else 3
+    rounds = args.rounds if args.rounds is not None else 2 if args.quick else DEFAULT_ROUNDS
     if rounds < 1:
         parser.error("--rounds must be at least 1")
     threads = set_threads(args.threads)
@@ -228,12 +238,17 @@ def main() -> None:
                     f"    {name} {rate_label}: {results[name][rate_label]['output_throughput']:.1f} output tok/s"
                 )
         if ours in results and theirs in results:
-            per_round = [entry["ratio"] for entry in saturation_rounds[dtype]]
+            paired = [entry for entry in saturation_rounds[dtype] if "ratio" in entry]
+            summary_of_ratios = ratio_summary(
+                [entry["ratio"] for entry in paired], [entry["order"][0] == ours for entry in paired]
+            )
             ratios[dtype] = {
-                "saturation": statistics.median(per_round),  # the median of the per-round ratios
-                "saturation_min": min(per_round),
-                "saturation_max": max(per_round),
-                "saturation_by_round": per_round,
+                "saturation": summary_of_ratios["median"],  # the median of the per-round ratios
+                "saturation_min": summary_of_ratios["min"],
+                "saturation_max": summary_of_ratios["max"],
+                "saturation_by_round": summary_of_ratios["by_round"],
+                "saturation_median_tessera_first": summary_of_ratios["median_tessera_first"],
+                "saturation_median_vllm_first": summary_of_ratios["median_peer_first"],
                 rate_label: results[ours][rate_label]["output_throughput"]
                 / results[theirs][rate_label]["output_throughput"],
             }
@@ -260,7 +275,8 @@ def main() -> None:
         shown = ", ".join(f"{ratio:.2f}x" for ratio in values["saturation_by_round"])
         print(
             f"{dtype} saturation: Tessera / vLLM output throughput rounds {shown};"
-            f" median {values['saturation']:.2f}x (target {TARGET_RATIO}x)"
+            f" median {values['saturation']:.2f}x (target {TARGET_RATIO}x); "
+            + order_note(values["saturation_median_tessera_first"], values["saturation_median_vllm_first"])
         )
         print(f"{dtype} {rate_label}: Tessera / vLLM output throughput {values[rate_label]:.2f}x")
     print(f"wrote {write_json(NAME, report)} and {plot(results) if results else '(no plot: nothing ran)'}")
