@@ -50,6 +50,13 @@ def ratio_summary(ratios: list[float], tessera_first: list[bool]) -> dict[str, A
     }
 
 
+def median_index(values: list[float]) -> int:
+    """Index of the median value (of an even count, the lower of the middle two): an engine's
+    reported round is its median one, and never the luckier of two."""
+    ordered = sorted(range(len(values)), key=values.__getitem__)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def order_note(tessera_first: float | None, peer_first: float | None) -> str:
     """'median with Tessera first 1.20x, with vLLM first 1.05x' (a side with no round is left out)."""
     parts = [
@@ -60,12 +67,16 @@ def order_note(tessera_first: float | None, peer_first: float | None) -> str:
     return "median " + ", ".join(parts) if parts else ""
 
 
+# The CPUs this process may run on (the affinity mask, which containers narrow), read at import:
+# before an engine in this process pins the calling thread, whose mask children would inherit.
+ALLOWED_CPUS: list[int] = (
+    sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+)
+
+
 def available_cores() -> int:
-    """Cores this process may run on (the affinity mask, which containers narrow), not the host's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """Cores this process may run on, not the host's."""
+    return len(ALLOWED_CPUS)
 
 
 def set_threads(num_threads: int | None) -> int:

@@ -55,9 +55,11 @@ from typing import Any
 
 import torch
 from common import (
+    ALLOWED_CPUS,
     DEFAULT_ROUNDS,
     environment_info,
     measure_matmul_peak,
+    median_index,
     new_figure,
     order_note,
     ratio_summary,
@@ -344,13 +346,6 @@ class TesseraRunner:
 # --- vLLM's CPU backend, in its own venv ------------------------------------------------------
 
 
-# The CPUs this benchmark may use, read before anything is pinned: an in-process Tessera LLM
-# pins the calling thread, and children would inherit that one CPU.
-ALLOWED_CPUS = (
-    sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-)
-
-
 def engine_cpus(threads: int) -> str:
     """The CPUs vLLM pins its threads to, one per thread (its default); Tessera, by its default,
     leaves its threads unpinned (``--engine-arg cpu_binding=...`` pins them)."""
@@ -584,12 +579,6 @@ def identical_in_every_run(outputs: list[list[list[int]]]) -> int:
     return sum(all(run[i] == outputs[0][i] for run in outputs) for i in range(len(outputs[0])))
 
 
-def median_round(runs: list[tuple[int, Run]]) -> tuple[int, Run]:
-    """The (round, run) with the median output tok/s; of an even count, the slower of the middle two."""
-    ordered = sorted(runs, key=lambda item: item[1][0].output_tok_s)
-    return ordered[(len(ordered) - 1) // 2]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -738,7 +727,7 @@ def main() -> None:
             done = done_rounds(dtype, engine)
             if not done:
                 continue
-            index, medians[engine][dtype] = median_round(done)
+            index, medians[engine][dtype] = done[median_index([run[0].output_tok_s for _, run in done])]
             same = identical_in_every_run([outputs for _, (_, outputs) in done])
             engine_report[engine][dtype] = {
                 **summary(medians[engine][dtype][0], dtype),

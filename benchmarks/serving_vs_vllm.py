@@ -40,6 +40,7 @@ from typing import Any
 from common import (
     DEFAULT_ROUNDS,
     environment_info,
+    median_index,
     new_figure,
     order_note,
     ratio_summary,
@@ -124,12 +125,6 @@ def start_server(
         asyncio.run(run_benchmark(base_url, SERVED_NAME, [BenchRequest(requests[0].prompt[:16], 16, 4)]))
         stack.enter_context(server.pop_all())
     return base_url
-
-
-def median_round(summaries: list[dict[str, Any]]) -> int:
-    """The round with the median output throughput; of an even count, the slower of the middle two."""
-    ordered = sorted(range(len(summaries)), key=lambda i: summaries[i]["output_throughput"])
-    return ordered[(len(ordered) - 1) // 2]
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]]) -> Path:
@@ -229,7 +224,9 @@ def main() -> None:
                     print(f"    round {index}: Tessera / vLLM {entry['ratio']:.2f}x", flush=True)
                 saturation_rounds[dtype].append(entry)
             for name, base_url in urls.items():
-                median_rounds[name] = median_round(by_round[name])
+                median_rounds[name] = median_index(
+                    [summary["output_throughput"] for summary in by_round[name]]
+                )
                 results[name] = {
                     "saturation": by_round[name][median_rounds[name]],
                     rate_label: scenario(base_url, rate_requests, args.request_rate),

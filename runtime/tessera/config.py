@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessera.topology import ParallelLayout
 
+# A CPU list as taskset takes it: 0-3,8.
+CPU_LIST = r"\d+(-\d+)?(,\d+(-\d+)?)*"
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -30,7 +33,7 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch threads per rank process")
     cpu_binding: str = Field(
         "none",
-        pattern=r"^(auto|none|\d+(-\d+)?(,\d+(-\d+)?)*)$",
+        pattern=rf"^(auto|none|{CPU_LIST})$",
         description="pin torch threads one per CPU: none, auto (in Tessera's own processes that own "
         "exactly their CPUs), or a CPU list such as 0-3",
     )

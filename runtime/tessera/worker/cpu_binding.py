@@ -20,6 +20,8 @@ import logging
 import os
 import re
 
+from tessera import config
+
 logger = logging.getLogger(__name__)
 
 # Set by the entry points of Tessera's own processes: pinning there moves nobody else's threads.
@@ -29,7 +31,7 @@ OWN_PROCESS = False
 PROCESS_CPUS: frozenset[int] = frozenset(
     os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
 )
-CPU_LIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
+CPU_LIST = re.compile(config.CPU_LIST)
 
 
 def parse_cpus(text: str) -> list[int]:
