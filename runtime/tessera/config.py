@@ -37,6 +37,11 @@ class EngineConfig(BaseModel):
         description="pin torch threads one per CPU: none, auto (in Tessera's own processes that own "
         "exactly their CPUs), or a CPU list such as 0-3",
     )
+    retain_freed_memory: bool = Field(
+        True,
+        description="CPU ranks: glibc's malloc keeps freed memory for the next step instead of "
+        "returning it to the OS (no page faults on every step's activations)",
+    )
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
     max_batches_in_flight: int | None = Field(
         None, ge=1, description="batches the engine keeps in flight (default: one per pipeline stage)"

@@ -23,6 +23,7 @@ from tessera.distributed.parallel_state import destroy_distributed, init_distrib
 from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.topology import Topology
 from tessera.worker.cpu_binding import PROCESS_CPUS, bind_threads
+from tessera.worker.cpu_memory import retain_freed_memory
 from tessera.worker.model_runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,6 +69,8 @@ class Worker:
             threads = config.num_threads or default_num_threads(local_world_size)
             torch.set_num_threads(threads)
             self.pinned_cpus = bind_threads(config.cpu_binding, threads, local_rank, local_world_size)
+            if config.retain_freed_memory:
+                retain_freed_memory()
         else:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
