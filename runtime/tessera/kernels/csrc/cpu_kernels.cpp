@@ -25,6 +25,10 @@
 
 using namespace tessera;
 
+// torch's bf16 converts with bit operations (paged_attention.h): loops over it then vectorise.
+template <>
+struct tessera::IsBf16<c10::BFloat16> : std::true_type {};
+
 namespace {
 
 template <typename T>
@@ -146,13 +150,15 @@ void rms_norm_impl(T* xs, T* rs, T* os, const T* w, int64_t rows, int64_t hidden
       T* xi = xs + i * hidden;
       if (rs != nullptr) {
         T* ri = rs + i * hidden;
+#pragma omp simd
         for (int64_t d = 0; d < hidden; ++d) {
           // The residual stream is kept in the model dtype, rounded as the reference rounds it.
-          ri[d] = static_cast<T>(static_cast<float>(xi[d]) + static_cast<float>(ri[d]));
-          s[d] = static_cast<float>(ri[d]);
+          const float sum = to_float(xi[d]) + to_float(ri[d]);
+          ri[d] = from_float<T>(sum);
+          s[d] = round_to<T>(sum);
         }
       } else {
-        for (int64_t d = 0; d < hidden; ++d) s[d] = static_cast<float>(xi[d]);
+        widen(xi, s, hidden);
       }
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
@@ -160,8 +166,9 @@ void rms_norm_impl(T* xs, T* rs, T* os, const T* w, int64_t rows, int64_t hidden
       const float inv_rms = 1.0f / std::sqrt(squares / static_cast<float>(hidden) + eps);
       T* oi = os + i * hidden;
       // Normalise, round to the model dtype, then scale: the reference's order.
+#pragma omp simd
       for (int64_t d = 0; d < hidden; ++d)
-        oi[d] = static_cast<T>(static_cast<float>(w[d]) * static_cast<float>(static_cast<T>(s[d] * inv_rms)));
+        oi[d] = from_float<T>(to_float(w[d]) * round_to<T>(s[d] * inv_rms));
     }
   });
 }
@@ -175,11 +182,11 @@ void silu_and_mul_impl(const T* xs, T* os, int64_t rows, int64_t width) {
       T* o = os + i * width;
 #pragma omp simd
       for (int64_t d = 0; d < width; ++d) {
-        const float g = static_cast<float>(gate[d]);
+        const float g = to_float(gate[d]);
         // exp of a non-positive argument only: sigmoid is stable for both signs.
         const float e = exp_approx(-std::fabs(g));
         const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        o[d] = static_cast<T>(static_cast<float>(static_cast<T>(g * sigmoid)) * static_cast<float>(up[d]));
+        o[d] = from_float<T>(round_to<T>(g * sigmoid) * to_float(up[d]));
       }
     }
   });
@@ -197,10 +204,10 @@ void rotary_impl(T* xs, const T* cs, int64_t rows, int64_t heads, int64_t dim, i
         T* x2 = x1 + half;
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
-          const float a = static_cast<float>(x1[d]), b = static_cast<float>(x2[d]);
-          const float c = static_cast<float>(cos[d]), s = static_cast<float>(sin[d]);
-          x1[d] = static_cast<T>(a * c - b * s);
-          x2[d] = static_cast<T>(b * c + a * s);
+          const float a = to_float(x1[d]), b = to_float(x2[d]);
+          const float c = to_float(cos[d]), s = to_float(sin[d]);
+          x1[d] = from_float<T>(a * c - b * s);
+          x2[d] = from_float<T>(b * c + a * s);
         }
       }
     }

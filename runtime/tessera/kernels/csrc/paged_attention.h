@@ -13,6 +13,58 @@ namespace tessera {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// ---- element conversions -----------------------------------------------------------------------
+//
+// The kernels compute in fp32 whatever the tensors hold. A 16-bit type the build marks as bf16
+// (IsBf16, specialised where torch's type is known) converts with plain bit operations, which
+// `omp simd` loops and vector code compile to shifts: c10's conversion operators did not
+// vectorise, and bf16 attention and SiLU ran slower than fp32 on half the bytes.
+
+template <typename T>
+struct IsBf16 : std::false_type {};
+
+template <typename T>
+inline float to_float(T x) {
+  if constexpr (IsBf16<T>::value) {
+    uint16_t half;
+    std::memcpy(&half, &x, sizeof(half));
+    const uint32_t bits = static_cast<uint32_t>(half) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  } else {
+    return static_cast<float>(x);
+  }
+}
+
+// Round to nearest even, NaN kept a quiet NaN: the rounding torch's own bf16 casts do.
+template <typename T>
+inline T from_float(float f) {
+  if constexpr (IsBf16<T>::value) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    const uint16_t half =
+        f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+    T x;
+    std::memcpy(&x, &half, sizeof(x));
+    return x;
+  } else {
+    return static_cast<T>(f);
+  }
+}
+
+// x rounded to T's precision, kept in fp32 (the reference rounds its intermediates so).
+template <typename T>
+inline float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
 // e^f for |f| <= ln2/2: degree-6 Taylor polynomial, on a float or on a vector of floats.
 template <typename V>
 inline V exp_fraction(V f) {
@@ -58,6 +110,22 @@ inline f32x16 load16(const float* p) {
 }
 
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+// 16 elements of a type the fast paths take (fp32, bf16), as fp32 lanes: bf16 widens in
+// registers (zero-extend, shift), so a cache block is read once and never staged.
+template <typename T>
+inline f32x16 load16_as_float(const T* p) {
+  static_assert(std::is_same_v<T, float> || IsBf16<T>::value, "fp32 or bf16");
+  if constexpr (std::is_same_v<T, float>) {
+    return load16(p);
+  } else {
+    u16x16 half;
+    std::memcpy(&half, p, sizeof(half));
+    return reinterpret_cast<f32x16>(__builtin_convertvector(half, i32x16) << 16);
+  }
+}
 
 inline f32x16 broadcast16(float x) { return f32x16{} + x; }
 
@@ -136,8 +204,8 @@ inline f32x16 exp16(f32x16 x) {
 // 16-key block. Several rows at once also keeps several independent dependency chains in
 // flight: one row alone spends most of its time waiting on the reductions' latency.
 // idx[r] is the row's index into query / acc (kD floats each), row_max and row_sum.
-template <int64_t kD, int R>
-inline void attend_rows_block16(const float* query, const float* keys, const float* values, int64_t stride,
+template <typename T, int64_t kD, int R>
+inline void attend_rows_block16(const float* query, const T* keys, const T* values, int64_t stride,
                                 const int64_t* idx, const int64_t* j0, const int64_t* j1, float* row_max,
                                 float* row_sum, float* acc) {
   static_assert(kD % 16 == 0, "head_dim must be a multiple of 16");
@@ -158,7 +226,7 @@ inline void attend_rows_block16(const float* query, const float* keys, const flo
       continue;
     }
     f32x16 k[kV];
-    for (int64_t i = 0; i < kV; ++i) k[i] = load16(keys + j * stride + 16 * i);
+    for (int64_t i = 0; i < kV; ++i) k[i] = load16_as_float(keys + j * stride + 16 * i);
     for (int r = 0; r < R; ++r) {
       f32x16 even = q[r][0] * k[0], odd = f32x16{};
       for (int64_t i = 1; i < kV; ++i) {
@@ -190,7 +258,7 @@ inline void attend_rows_block16(const float* query, const float* keys, const flo
     for (int64_t i = 0; i < kV; ++i) out[r][i] = load16(acc + idx[r] * kD + 16 * i) * correction[r];
   for (int64_t j = lo; j < hi; ++j) {
     f32x16 v[kV];
-    for (int64_t i = 0; i < kV; ++i) v[i] = load16(values + j * stride + 16 * i);
+    for (int64_t i = 0; i < kV; ++i) v[i] = load16_as_float(values + j * stride + 16 * i);
     for (int r = 0; r < R; ++r) {
       const float pj = p[r][j];  // 0 outside the row's own range
       for (int64_t i = 0; i < kV; ++i) out[r][i] += pj * v[i];
@@ -200,24 +268,25 @@ inline void attend_rows_block16(const float* query, const float* keys, const flo
     for (int64_t i = 0; i < kV; ++i) store16(acc + idx[r] * kD + 16 * i, out[r][i]);
 }
 
-template <int64_t kD>
-inline void attend_rows_block16(int count, const float* query, const float* keys, const float* values,
-                                int64_t stride, const int64_t* idx, const int64_t* j0, const int64_t* j1,
-                                float* row_max, float* row_sum, float* acc) {
+template <typename T, int64_t kD>
+inline void attend_rows_block16(int count, const float* query, const T* keys, const T* values, int64_t stride,
+                                const int64_t* idx, const int64_t* j0, const int64_t* j1, float* row_max,
+                                float* row_sum, float* acc) {
   switch (count) {
     case 4:
-      return attend_rows_block16<kD, 4>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
+      return attend_rows_block16<T, kD, 4>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
     case 3:
-      return attend_rows_block16<kD, 3>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
+      return attend_rows_block16<T, kD, 3>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
     case 2:
-      return attend_rows_block16<kD, 2>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
+      return attend_rows_block16<T, kD, 2>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
     default:
-      return attend_rows_block16<kD, 1>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
+      return attend_rows_block16<T, kD, 1>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc);
   }
 }
 
+// fp32 and bf16 (widened to fp32 a block at a time) take the vector paths.
 template <typename T, int64_t kD>
-constexpr bool kFastPath = std::is_same_v<T, float> && kD > 0 && kD % 16 == 0;
+constexpr bool kFastPath = (std::is_same_v<T, float> || IsBf16<T>::value) && kD > 0 && kD % 16 == 0;
 
 // ---- the generic path ------------------------------------------------------------------------
 
@@ -228,7 +297,7 @@ inline void block_scores(const float* q, const T* keys, int64_t stride, int64_t 
     const T* k = keys + j * stride;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t d = 0; d < head_dim; ++d) sum += q[d] * static_cast<float>(k[d]);
+    for (int64_t d = 0; d < head_dim; ++d) sum += q[d] * to_float(k[d]);
     scores[j] = sum;
   }
 }
@@ -301,8 +370,8 @@ constexpr int64_t kLanes = 16;
 // Fewer rows than this per KV head (a decode has just the group) would leave the lanes mostly empty.
 constexpr int64_t kMinLaneRows = 8;
 
-template <int64_t kD>
-void attend_tile_lanes(const AttentionBatch<float>& a, const WorkItem& item, TileScratch& s) {
+template <typename T, int64_t kD>
+void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& s) {
   static_assert(kD % 16 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t kV = kD / 16;
   constexpr int64_t kPvRows = kD <= 64 ? 4 : 2;  // accumulators of the rows one value load serves
@@ -337,7 +406,7 @@ void attend_tile_lanes(const AttentionBatch<float>& a, const WorkItem& item, Til
   std::fill_n(acc, lanes * kD, 0.0f);
   for (int64_t vec = 0; vec < lanes / kLanes; ++vec) {
     const int64_t h = vec / vecs_per_kv_head;
-    const float* src[kLanes];  // each lane's query row; nullptr for an empty lane
+    const T* src[kLanes];  // each lane's query row; nullptr for an empty lane
     for (int64_t lane = 0; lane < kLanes; ++lane) {
       const int64_t i = vec % vecs_per_kv_head * kLanes + lane;
       src[lane] = nullptr;
@@ -351,7 +420,7 @@ void attend_tile_lanes(const AttentionBatch<float>& a, const WorkItem& item, Til
     for (int64_t d0 = 0; d0 < kD; d0 += kLanes) {
       f32x16 block[kLanes];
       for (int64_t lane = 0; lane < kLanes; ++lane)
-        block[lane] = src[lane] != nullptr ? load16(src[lane] + d0) * a.scale : f32x16{};
+        block[lane] = src[lane] != nullptr ? load16_as_float(src[lane] + d0) * a.scale : f32x16{};
       transpose16(block);
       for (int64_t k = 0; k < kLanes; ++k) store16(query + (vec * kD + d0 + k) * kLanes, block[k]);
     }
@@ -391,11 +460,12 @@ void attend_tile_lanes(const AttentionBatch<float>& a, const WorkItem& item, Til
         }
       }
       if (lo >= hi) continue;  // no row of this vector sees a key of this block
-      const float* keys = a.cache + table[b] * kLanes * a.token_stride + h * kD;
-      const float* values = keys + a.kv_plane;
+      const T* keys = a.cache + table[b] * kLanes * a.token_stride + h * kD;
       // The block's keys packed (kD apart, not a cache slot apart): fixed offsets in the loop below.
       for (int64_t j = lo; j < hi; ++j)
-        for (int64_t i = 0; i < kV; ++i) store16(key_block + j * kD + 16 * i, load16(keys + j * a.token_stride + 16 * i));
+        for (int64_t i = 0; i < kV; ++i)
+          store16(key_block + j * kD + 16 * i, load16_as_float(keys + j * a.token_stride + 16 * i));
+      const T* values = keys + a.kv_plane;
 
       // Scores: one vector (a lane per row) per key; keys outside [lo, hi) are masked below.
       f32x16 scores[kLanes];
@@ -437,7 +507,7 @@ void attend_tile_lanes(const AttentionBatch<float>& a, const WorkItem& item, Til
           for (int64_t i = 0; i < kV; ++i) out[r][i] = load16(rows_acc + r * kD + 16 * i) * correction[r0 + r];
         for (int64_t j = lo; j < hi; ++j) {
           f32x16 v[kV];
-          for (int64_t i = 0; i < kV; ++i) v[i] = load16(values + j * a.token_stride + 16 * i);
+          for (int64_t i = 0; i < kV; ++i) v[i] = load16_as_float(values + j * a.token_stride + 16 * i);
           for (int64_t r = 0; r < kPvRows; ++r) {
             const float pj = probs[j * kLanes + r0 + r];  // 0 outside the row's own keys
             for (int64_t i = 0; i < kV; ++i) out[r][i] += pj * v[i];
@@ -454,11 +524,11 @@ void attend_tile_lanes(const AttentionBatch<float>& a, const WorkItem& item, Til
       const int64_t lane = h * vecs_per_kv_head * kLanes + i;
       int64_t token, head;
       lane_source(h, i, token, head);
-      float* dst = a.out + (token_base + token) * a.num_heads * kD + head * kD;
+      T* dst = a.out + (token_base + token) * a.num_heads * kD + head * kD;
       const float inv = lane_sum[lane] > 0.0f ? 1.0f / lane_sum[lane] : 0.0f;
       const float* src = acc + lane * kD;
 #pragma omp simd
-      for (int64_t d = 0; d < kD; ++d) dst[d] = src[d] * inv;
+      for (int64_t d = 0; d < kD; ++d) dst[d] = from_float<T>(src[d] * inv);
     }
   }
 }
@@ -472,7 +542,7 @@ template <typename T, int64_t kD>
 void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& scratch) {
   if constexpr (kFastPath<T, kD>) {
     if (a.block_size == kLanes && (item.q_end - item.q_begin) * a.group >= kMinLaneRows)
-      return attend_tile_lanes<kD>(a, item, scratch);
+      return attend_tile_lanes<T, kD>(a, item, scratch);
   }
   const int64_t D = kD > 0 ? kD : a.head_dim;
   const int64_t group = a.group;
@@ -498,7 +568,7 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     const T* src = a.q + (a.starts[item.seq] + token_of(r)) * a.q_stride + head_of(r) * D;
     float* dst = query + r * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * a.scale;
+    for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * a.scale;
     row_max[r] = kNegInf;
     row_sum[r] = 0.0f;
     std::fill_n(acc + r * D, D, 0.0f);
@@ -514,7 +584,9 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     // Blocks are scattered, so the hardware prefetcher restarts at each one: the rows below
     // share out prefetching a later block's keys and values while this block is computed, every
     // cache line (every other line, leaving the pair to the adjacent-line prefetcher, measured
-    // 10-35% slower decode attention on a KVM Ice Lake).
+    // 10-35% slower decode attention on a KVM Ice Lake), into L2 (prefetcht1: on a KVM EPYC
+    // Genoa decode attention over 30 layers' caches ran 13-30% faster than into L1, whose few
+    // miss buffers the loads of the block being computed need).
     constexpr int64_t kLine = 64;
     const int64_t ahead = b + kPrefetchDistance;
     const char* next = ahead <= last_pos / a.block_size
@@ -526,8 +598,8 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     auto flush = [&] {
       if constexpr (kFastPath<T, kD>) {
         if (pending == 0) return;
-        const float* keys = block_keys_all + kv_head_of(pending_idx[0]) * D;
-        attend_rows_block16<kD>(static_cast<int>(pending), query, keys, keys + a.kv_plane, a.token_stride,
+        const T* keys = block_keys_all + kv_head_of(pending_idx[0]) * D;
+        attend_rows_block16<T, kD>(static_cast<int>(pending), query, keys, keys + a.kv_plane, a.token_stride,
                                 pending_idx, pending_j0, pending_j1, row_max, row_sum, acc);
         pending = 0;
       }
@@ -538,8 +610,8 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
       if (next != nullptr) {
         const int64_t end = std::min(block_bytes, (r + 1) * prefetch_per_row);
         for (int64_t off = r * prefetch_per_row; off < end; off += kLine) {
-          __builtin_prefetch(next + off);
-          __builtin_prefetch(next + a.kv_plane * static_cast<int64_t>(sizeof(T)) + off);
+          __builtin_prefetch(next + off, 0, 2);
+          __builtin_prefetch(next + a.kv_plane * static_cast<int64_t>(sizeof(T)) + off, 0, 2);
         }
       }
       const int64_t pos = first_pos + token_of(r);
@@ -573,7 +645,7 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
         row_sum[r] += pj;
         const T* vj = values + j * a.token_stride;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) row_acc[d] += pj * static_cast<float>(vj[d]);
+        for (int64_t d = 0; d < D; ++d) row_acc[d] += pj * to_float(vj[d]);
       }
     }
     flush();
@@ -584,7 +656,7 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
     const float* ar = acc + r * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(ar[d] * inv);
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_float<T>(ar[d] * inv);
   }
 }
 
