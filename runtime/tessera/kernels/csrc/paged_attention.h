@@ -533,6 +533,16 @@ void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScr
   }
 }
 
+// Bytes [begin, end) of a cache block's keys and, a plane further, its values, requested into
+// L2 (prefetcht1) line by line.
+inline void prefetch_kv(const char* block, int64_t plane_bytes, int64_t begin, int64_t end) {
+  constexpr int64_t kLine = 64;
+  for (int64_t off = begin; off < end; off += kLine) {
+    __builtin_prefetch(block + off, 0, 2);
+    __builtin_prefetch(block + plane_bytes + off, 0, 2);
+  }
+}
+
 // kD > 0 fixes head_dim at compile time so the per-key loops unroll into straight vector code;
 // kD == 0 is the generic path for any head_dim.
 // How many blocks ahead to prefetch (2 and 3 measured no better than 1 on a 2-core VM).
@@ -558,6 +568,14 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
   float* row_max = scratch.row_max.data();
   float* row_sum = scratch.row_sum.data();
   float* scores = scratch.scores.data();
+  const int64_t last_pos = first_pos + item.q_end - 1;
+  int64_t first_key = 0;
+  if (a.sliding_window > 0) first_key = std::max<int64_t>(0, first_pos + item.q_begin - a.sliding_window + 1);
+  const int64_t plane_bytes = a.kv_plane * static_cast<int64_t>(sizeof(T));
+  // The first block has no earlier one to hide its fetch behind: request all of it while the
+  // queries are prepared.
+  prefetch_kv(reinterpret_cast<const char*>(a.cache + table[first_key / a.block_size] * a.block_size * a.token_stride),
+              plane_bytes, 0, block_bytes);
 
   // Rows are ordered (KV head, token, head within the group): rows sharing a KV head, hence
   // keys and values, are consecutive.
@@ -574,9 +592,6 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     std::fill_n(acc + r * D, D, 0.0f);
   }
 
-  const int64_t last_pos = first_pos + item.q_end - 1;
-  int64_t first_key = 0;
-  if (a.sliding_window > 0) first_key = std::max<int64_t>(0, first_pos + item.q_begin - a.sliding_window + 1);
   for (int64_t b = first_key / a.block_size; b <= last_pos / a.block_size; ++b) {
     const int64_t key0 = b * a.block_size;
     const int64_t block_keys = std::min(a.block_size, last_pos + 1 - key0);
@@ -607,13 +622,8 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     for (int64_t r = 0; r < rows; ++r) {
       const T* keys = block_keys_all + kv_head_of(r) * D;
       const T* values = keys + a.kv_plane;
-      if (next != nullptr) {
-        const int64_t end = std::min(block_bytes, (r + 1) * prefetch_per_row);
-        for (int64_t off = r * prefetch_per_row; off < end; off += kLine) {
-          __builtin_prefetch(next + off, 0, 2);
-          __builtin_prefetch(next + a.kv_plane * static_cast<int64_t>(sizeof(T)) + off, 0, 2);
-        }
-      }
+      if (next != nullptr)
+        prefetch_kv(next, plane_bytes, r * prefetch_per_row, std::min(block_bytes, (r + 1) * prefetch_per_row));
       const int64_t pos = first_pos + token_of(r);
       const int64_t lo = a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0;
       const int64_t j0 = std::max<int64_t>(0, lo - key0);
