@@ -12,6 +12,7 @@
 namespace tessera {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kCacheLine = 64;
 
 // ---- element conversions -----------------------------------------------------------------------
 //
@@ -284,7 +285,7 @@ inline void attend_rows_block16(int count, const float* query, const T* keys, co
   }
 }
 
-// fp32 and bf16 (widened to fp32 a block at a time) take the vector paths.
+// fp32 and bf16 (widened to fp32 lanes as they are loaded) take the vector paths.
 template <typename T, int64_t kD>
 constexpr bool kFastPath = (std::is_same_v<T, float> || IsBf16<T>::value) && kD > 0 && kD % 16 == 0;
 
@@ -536,8 +537,7 @@ void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScr
 // Bytes [begin, end) of a cache block's keys and, a plane further, its values, requested into
 // L2 (prefetcht1) line by line.
 inline void prefetch_kv(const char* block, int64_t plane_bytes, int64_t begin, int64_t end) {
-  constexpr int64_t kLine = 64;
-  for (int64_t off = begin; off < end; off += kLine) {
+  for (int64_t off = begin; off < end; off += kCacheLine) {
     __builtin_prefetch(block + off, 0, 2);
     __builtin_prefetch(block + plane_bytes + off, 0, 2);
   }
@@ -602,12 +602,11 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     // 10-35% slower decode attention on a KVM Ice Lake), into L2 (prefetcht1: on a KVM EPYC
     // Genoa decode attention over 30 layers' caches ran 13-30% faster than into L1, whose few
     // miss buffers the loads of the block being computed need).
-    constexpr int64_t kLine = 64;
     const int64_t ahead = b + kPrefetchDistance;
     const char* next = ahead <= last_pos / a.block_size
                            ? reinterpret_cast<const char*>(a.cache + table[ahead] * a.block_size * a.token_stride)
                            : nullptr;
-    const int64_t prefetch_per_row = (block_bytes / kLine + rows - 1) / rows * kLine;
+    const int64_t prefetch_per_row = (block_bytes / kCacheLine + rows - 1) / rows * kCacheLine;
     // The fast path takes rows of one KV head up to four at a time.
     int64_t pending = 0, pending_idx[4], pending_j0[4], pending_j1[4];
     auto flush = [&] {
