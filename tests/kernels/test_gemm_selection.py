@@ -4,6 +4,10 @@ machine running the tests, and a verdict is measured once per shape, recorded an
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ from tessera.models.layers.linear import (
 
 torch.set_num_threads(2)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+CONTENTION_LIMIT_CPUS = gemm_selection.CONTENTION_LIMIT_CPUS  # before the fixture lifts it
 
 
 def backend_names(dtype: torch.dtype) -> list[str]:
@@ -128,3 +133,49 @@ def test_an_unknown_forced_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, "blas9000")
     with pytest.raises(ValueError, match=r"TESSERA_GEMM_BACKEND='blas9000'.*aten"):
         pack_weight(torch.randn(8, 8))
+
+
+MEASURE_IN_PINNED_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    from pathlib import Path
+    import torch
+    from tessera.kernels import gemm_selection
+    from tessera.models.layers.linear import pack_weight
+    torch.set_num_threads(int(sys.argv[2]))
+    path = Path(sys.argv[1])
+    gemm_selection.selection_path = lambda: path
+    weight = torch.randn(256, 256)
+    selection, _ = gemm_selection.measure(weight, gemm_selection.LAYER_ROWS)
+    pack_weight(weight)
+    recorded = json.loads(path.read_text()) if path.exists() else {}
+    print(json.dumps({"contention_cpus": selection.contention_cpus, "recorded": list(recorded)}))
+    """
+)
+
+
+def test_a_verdict_measured_beside_busy_processes_is_used_but_not_recorded(tmp_path: Path) -> None:
+    """A process pinned to (at most) two CPUs measures while as many busy loops share them: the
+    verdict's timings are biased by who got preempted, so it must not outlive the load."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, cpus)
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pinned) for _ in cpus]
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", MEASURE_IN_PINNED_PROCESS, str(tmp_path / "v.json"), str(len(cpus))],
+            preexec_fn=pinned,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["contention_cpus"] > CONTENTION_LIMIT_CPUS
+    assert report["recorded"] == []  # measured, used for this load, and forgotten

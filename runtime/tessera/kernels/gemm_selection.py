@@ -1,7 +1,7 @@
 """Choose each weight's GEMM backend by measuring the candidates on this machine, once.
 
 A choice is per ``(out, in, dtype, threads, row profile, candidates)``: tensor-parallel shards are
-measured at their own shapes. It is recorded in ``gemm_selection.json`` beside the native
+measured at their own shapes. It is recorded in ``gemm_selection.v2.json`` beside the native
 kernel build (same folder, same key: torch version, CPU flags, kernel sources), so a machine
 measures a shape once and every later load, on any rank, reuses the verdict.
 ``TESSERA_GEMM_BACKEND=aten|mkl|onednn`` forces one backend where it is supported.
@@ -10,6 +10,12 @@ Scoring: each candidate is timed at every row count of the profile (decode-sized
 prefill-sized batches) and scored by the geometric mean of its time relative to the fastest
 candidate at that row count, so a shape that is slow at prefill and one slow at decode weigh
 alike, whatever the absolute times.
+
+A verdict is recorded only when nothing else wanted the CPUs while it was measured: other
+processes' CPU time (and the hypervisor's steal) beyond the cores this process leaves free
+biases the timings, as OpenMP's threads suffer more from a preempted peer than a less parallel
+GEMM does, and a verdict recorded once is reused for as long as the build lasts. A contended
+verdict serves the load that measured it; the next load measures again.
 """
 
 from __future__ import annotations
@@ -29,22 +35,71 @@ import torch
 
 from tessera.kernels import _cache_root, build_key
 from tessera.kernels.gemm import BACKENDS, PackedWeight, candidates
+from tessera.worker.cpu_binding import PROCESS_CPUS
 
 logger = logging.getLogger(__name__)
 
-SELECTION_FILE = "gemm_selection.json"
+# v2: verdicts measured while other processes held the CPUs are no longer recorded, and the
+# first file may hold such verdicts (MKL over oneDNN on an EPYC where oneDNN wins every shape).
+SELECTION_FILE = "gemm_selection.v2.json"
 FORCE_VARIABLE = "TESSERA_GEMM_BACKEND"
 # Rows a linear layer multiplies: decode batches and prefill chunks.
 LAYER_ROWS = (8, 64, 512)
 # The LM head only sees the last position of each sequence in a step.
 LM_HEAD_ROWS = (8, 64)
 _MIN_ROUNDS, _TIME_BUDGET_S = 5, 0.03
+# CPUs' worth of other work during a measurement beyond which its verdict is not recorded.
+CONTENTION_LIMIT_CPUS = 0.3
+_PROC_STAT = Path("/proc/stat")
 
 
 @dataclass(frozen=True)
 class Selection:
     backend: str
     measured: dict[str, float]  # backend -> score (1.0 = fastest at every row count)
+    # CPUs' worth of other processes' work (and steal) beyond the cores this process left free.
+    contention_cpus: float = 0.0
+
+    @property
+    def contended(self) -> bool:
+        return self.contention_cpus > CONTENTION_LIMIT_CPUS
+
+
+def _busy_seconds(cpus: frozenset[int]) -> float | None:
+    """CPU time ``cpus`` have spent busy (stolen time included), from ``/proc/stat``; None off Linux."""
+    total = 0
+    try:
+        lines = _PROC_STAT.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, *values = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        # user nice system idle iowait irq softirq steal (guest time is already in user)
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in values[:8])
+        total += user + nice + system + irq + softirq + steal
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class _ContentionMeter:
+    """Other processes' CPU use of this process's CPUs during a span, beyond the CPUs its torch
+    threads leave free; this process's own threads only ever run on those CPUs."""
+
+    def __enter__(self) -> _ContentionMeter:
+        self._busy = _busy_seconds(PROCESS_CPUS)
+        self._own, self._wall = time.process_time(), time.perf_counter()
+        self.cpus = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        busy = _busy_seconds(PROCESS_CPUS)
+        if busy is None or self._busy is None:
+            return  # nothing to judge by
+        wall = max(time.perf_counter() - self._wall, 1e-9)
+        others = (busy - self._busy) - (time.process_time() - self._own)
+        spare = max(len(PROCESS_CPUS) - torch.get_num_threads(), 0)
+        self.cpus = max(others / wall - spare, 0.0)
 
 
 def selection_path() -> Path:
@@ -112,7 +167,7 @@ def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dic
     packed = {backend.name: backend.pack(weight) for backend in candidates(weight)}
     generator = torch.Generator().manual_seed(0)
     log_ratio = dict.fromkeys(packed, 0.0)
-    with torch.inference_mode():
+    with torch.inference_mode(), _ContentionMeter() as contention:
         for count in rows:
             x = torch.randn(count, weight.shape[1], generator=generator).to(weight.dtype)
             best = _best_times(packed, x)
@@ -120,7 +175,8 @@ def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dic
             for name, elapsed in best.items():
                 log_ratio[name] += math.log(elapsed / fastest) / len(rows)
     scores = {name: round(math.exp(value), 3) for name, value in log_ratio.items()}
-    return Selection(min(scores, key=scores.__getitem__), scores), packed
+    backend = min(scores, key=scores.__getitem__)
+    return Selection(backend, scores, round(contention.cpus, 2)), packed
 
 
 def select_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> PackedWeight:
@@ -139,6 +195,15 @@ def select_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> 
     if isinstance(recorded, dict) and recorded.get("backend") in supported:
         return BACKENDS[recorded["backend"]].pack(weight)
     selection, packed = measure(weight, rows)
-    logger.info("GEMM %s: %s (scores %s)", key, selection.backend, selection.measured)
-    _record(key, selection)
+    if selection.contended:
+        logger.info(
+            "GEMM %s: %s (scores %s), not recorded: other processes used %.2f CPUs meanwhile",
+            key,
+            selection.backend,
+            selection.measured,
+            selection.contention_cpus,
+        )
+    else:
+        logger.info("GEMM %s: %s (scores %s)", key, selection.backend, selection.measured)
+        _record(key, selection)
     return packed[selection.backend]
