@@ -22,6 +22,7 @@ from tessera.models.layers.attention import Attention, AttentionMetadata, Attent
 from tessera.models.layers.linear import ColumnParallelLinear, process_weights_after_loading
 from tessera.models.layers.norm import RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
+from tessera.worker.sampler import greedy
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")
@@ -156,11 +157,34 @@ def test_rotary_in_place_matches_aten(monkeypatch: pytest.MonkeyPatch, dtype: to
     torch.testing.assert_close(native, aten, atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 37, 4096])
+def test_greedy_argmax_picks_what_torch_max_picks(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, vocab: int
+) -> None:
+    """First index of the maximum, ties and all; a row with NaN gives its first NaN; -inf rows 0."""
+    logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    last = vocab - 1
+    logits[1, last] = 50.0  # the maximum in the tail after the vector part
+    logits[2, [0, last]] = 50.0  # tied: the first wins
+    logits[3, [last // 2, last]] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, last // 3] = float("inf")
+    logits[6] = 7.0  # all equal
+    logits[7, :: max(1, vocab // 5)] = float("nan")
+    native, aten = run_both(monkeypatch, lambda: greedy(logits))
+    assert native.dtype == torch.int64
+    assert torch.equal(native, aten)
+    assert torch.equal(aten, logits.max(dim=-1).indices)
+
+
 def test_kernel_rejects_mismatched_inputs() -> None:
     ops = kernels.cpu_kernels()
     assert ops is not None
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.silu_and_mul(torch.randn(4, 8).t())
+    with pytest.raises(RuntimeError, match="contiguous, non-empty"):
+        ops.greedy_argmax(torch.randn(4, 8).t())
     with pytest.raises(RuntimeError, match="share a dtype"):
         q = torch.randn(1, 64)
         ops.paged_attention(

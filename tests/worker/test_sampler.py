@@ -48,6 +48,19 @@ def test_greedy_is_argmax_and_skips_unused_features() -> None:
     assert out.logprobs is None and out.top_token_ids is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_on_low_precision_logits_is_greedy_on_their_fp32_copy(dtype: torch.dtype) -> None:
+    """All-greedy batches skip the fp32 copy: widening is exact, so the choices (ties too) are the same."""
+    logits = random_logits(16).to(dtype)
+    logits[3, [10, 20]] = logits[3].max() + 1  # a tie
+    params = [SamplingParams(temperature=0.0)] * 16
+    assert torch.equal(sample(logits, params), sample(logits.float(), params))
+    assert torch.equal(sample(logits, params), logits.float().max(dim=-1).indices)
+    # With a feature that needs fp32 (a penalty), still the fp32 path's answer.
+    penalised = [SamplingParams(temperature=0.0, presence_penalty=0.5)] * 16
+    assert torch.equal(sample(logits, penalised), sample(logits.float(), penalised))
+
+
 def test_top_k_1_equals_greedy() -> None:
     logits = random_logits(16, seed=1)
     torch.manual_seed(0)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessera.kernels import native_ops
 from tessera.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows.
@@ -115,6 +116,14 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if (
+            metadata.all_greedy
+            and metadata.no_penalties
+            and not metadata.blocked_token_ids
+            and metadata.max_num_logprobs is None
+        ):
+            # The hot path: widening to fp32 is exact, so the argmax of the model's own dtype is the same.
+            return SamplerOutput(sampled_token_ids=greedy(logits))
         logits = logits.float()
         # Logprobs describe the raw model distribution, before any processing (vLLM's default).
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
@@ -125,7 +134,7 @@ class Sampler(torch.nn.Module):
             logits = apply_blocked_tokens(logits, metadata.blocked_token_ids)
 
         if metadata.all_greedy:
-            sampled = greedy(logits)  # the hot path: nothing else to do
+            sampled = greedy(logits)
         else:
             sampled = sample_random(logits, metadata)
             if not metadata.all_random:
@@ -224,7 +233,11 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Index of each row's first maximum; ``max`` is ~1.5x faster than ``argmax`` on CPU, same ties."""
+    """Index of each row's first maximum (its first NaN, if any): the native kernel on CPU, else
+    ``max``, ~1.5x faster than ``argmax`` on CPU with the same ties."""
+    ops = native_ops(logits.device)
+    if ops is not None and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0:
+        return ops.greedy_argmax(logits)
     return logits.max(dim=-1).indices
 
 

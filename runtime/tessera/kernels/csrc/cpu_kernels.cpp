@@ -245,6 +245,53 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+// Each row's index of its first maximum, as torch.max(dim=-1).indices gives it (a row holding
+// NaN gives its first NaN). Greedy sampling's hot path: ATen's max reduces about 2.3 G values/s
+// here on 2 threads, and its bf16 logits needed an fp32 copy first; this reads the logits
+// twice (the row's max, then where it first is) at memory speed, in their own dtype.
+template <typename T>
+int64_t row_argmax(const T* x, int64_t n) {
+  float m = kNegInf;
+  bool nan = false;
+  int64_t d = 0;
+  if constexpr (std::is_same_v<T, float> || IsBf16<T>::value) {
+    f32x16 best = broadcast16(kNegInf);
+    i32x16 any_nan{};
+    for (; d + 16 <= n; d += 16) {
+      const f32x16 v = load16_as_float(x + d);
+      any_nan |= v != v;
+      best = v > best ? v : best;  // NaN lanes compare false: they are tracked apart
+    }
+    m = max16(best);
+    for (int i = 0; i < 16; ++i) nan |= any_nan[i] != 0;
+  }
+  for (; d < n; ++d) {
+    const float v = to_float(x[d]);
+    nan |= v != v;
+    m = v > m ? v : m;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    if (nan ? v != v : v == m) return i;
+  }
+  return 0;  // every value -inf
+}
+
+torch::Tensor greedy_argmax(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "logits must be a contiguous, non-empty [B, V] tensor");
+  torch::Tensor out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
+  int64_t* indices = out.data_ptr<int64_t>();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "greedy_argmax", [&] {
+    const scalar_t* x = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) indices[r] = row_argmax(x + r * vocab, vocab);
+    });
+  });
+  return out;
+}
+
 // In place on x [N, heads, D] (rows may be strided): rotate-half RoPE with cos_sin [N, D]
 // holding cos in the first half and sin in the second.
 void rotary_embedding(torch::Tensor x, torch::Tensor cos_sin) {
@@ -360,4 +407,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
   m.def("bind_threads", &bind_threads, "pin OpenMP thread t to cpus[t]");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place", nogil);
+  m.def("greedy_argmax", &greedy_argmax, "each row's index of its first maximum (first NaN if any)", nogil);
 }
