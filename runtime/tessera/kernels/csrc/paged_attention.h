@@ -235,9 +235,10 @@ struct KvPrefetcher {
 template <typename T, int64_t kD, int R>
 inline void attend_rows_block16(const float* query, const T* keys, const T* values, int64_t stride,
                                 const int64_t* idx, const int64_t* j0, const int64_t* j1, float* row_max,
-                                float* row_sum, float* acc, KvPrefetcher& prefetcher) {
+                                float* row_sum, float* acc, KvPrefetcher& shared_prefetcher) {
   static_assert(kD % 16 == 0, "head_dim must be a multiple of 16");
   constexpr int64_t kV = kD / 16;
+  KvPrefetcher prefetcher = shared_prefetcher;  // in registers here, not stored back every step
   int64_t lo = j0[0], hi = j1[0];
   for (int r = 1; r < R; ++r) {
     lo = std::min(lo, j0[r]);
@@ -296,6 +297,7 @@ inline void attend_rows_block16(const float* query, const T* keys, const T* valu
   }
   for (int r = 0; r < R; ++r)
     for (int64_t i = 0; i < kV; ++i) store16(acc + idx[r] * kD + 16 * i, out[r][i]);
+  shared_prefetcher.offset = prefetcher.offset;
 }
 
 template <typename T, int64_t kD>
@@ -628,8 +630,8 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     const T* block_keys_all = a.cache + table[b] * a.block_size * a.token_stride;
     // Blocks are scattered, so the hardware prefetcher restarts at each one: a later block's keys
     // and values are prefetched while this block is computed (on the fast path interleaved with
-    // its keys, see KvPrefetcher; otherwise the rows below share it out), every cache line (every other line, leaving the pair to the adjacent-line prefetcher, measured
-    // 10-35% slower decode attention on a KVM Ice Lake), into L2 (prefetcht1: on a KVM EPYC
+    // its keys, see KvPrefetcher; otherwise the rows below share it out), every cache line
+    // (every other line, leaving the pair to the adjacent-line prefetcher, measured 10-35% slower decode attention on a KVM Ice Lake), into L2 (prefetcht1: on a KVM EPYC
     // Genoa decode attention over 30 layers' caches ran 13-30% faster than into L1, whose few
     // miss buffers the loads of the block being computed need).
     const int64_t ahead = b + kPrefetchDistance;
