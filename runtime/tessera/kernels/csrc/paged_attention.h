@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -122,9 +125,14 @@ inline f32x16 load16_as_float(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return load16(p);
   } else {
+#ifdef __AVX512F__
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return reinterpret_cast<f32x16>(_mm512_slli_epi32(wide, 16));
+#else
     u16x16 half;
     std::memcpy(&half, p, sizeof(half));
     return reinterpret_cast<f32x16>(__builtin_convertvector(half, i32x16) << 16);
+#endif
   }
 }
 
