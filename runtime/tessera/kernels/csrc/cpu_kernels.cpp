@@ -274,7 +274,7 @@ int64_t row_argmax(const T* x, int64_t n) {
     const float v = to_float(x[i]);
     if (nan ? v != v : v == m) return i;
   }
-  return 0;  // every value -inf
+  return 0;  // not reached: n > 0, and the max (or a NaN) is somewhere in the row
 }
 
 torch::Tensor greedy_argmax(torch::Tensor logits) {
