@@ -29,7 +29,7 @@ CONTENTION_LIMIT_CPUS = gemm_selection.CONTENTION_LIMIT_CPUS  # before the fixtu
 
 
 def backend_names(dtype: torch.dtype) -> list[str]:
-    return [backend.name for backend in candidates(torch.empty(1, 1, dtype=dtype))]
+    return [backend.name for backend in candidates(torch.empty(1, 2, dtype=dtype))]  # bf16 panels: even K
 
 
 CASES = [(name, dtype) for dtype in TOLERANCE for name in backend_names(dtype)]
@@ -49,6 +49,35 @@ def test_every_backend_multiplies_like_f_linear(backend: str, dtype: torch.dtype
         got = packed.matmul(x, with_bias)
         assert got.dtype == dtype and got.shape == (rows, 96)
         torch.testing.assert_close(got.float(), expected, atol=tolerance * 10, rtol=tolerance)
+
+
+PANEL_DTYPES = [dtype for dtype in TOLERANCE if "panels" in backend_names(dtype)]
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=[str(d)[6:] for d in PANEL_DTYPES])
+def test_panel_gemm_covers_short_panels_partial_tiles_and_strided_inputs(dtype: torch.dtype) -> None:
+    """Output widths that leave the last 48-column panel 1, 2, 17 or 47 columns short, row counts
+    around the 8-row tile, and an input that is a non-contiguous view."""
+    generator = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((1, 6), (47, 64), (50, 80), (97, 64), (143, 32), (96, 2)):
+        weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype)
+        packed = BACKENDS["panels"].pack(weight)
+        assert packed.data.shape == (-(-out_features // 48), in_features * 48)
+        for rows in (1, 7, 8, 9, 16, 17, 65):
+            x = torch.randn(in_features, rows, generator=generator).to(dtype).t()  # a transposed view
+            for with_bias in (None, bias):
+                expected = F.linear(x.float(), weight.float(), None if with_bias is None else bias.float())
+                got = packed.matmul(x, with_bias)
+                assert got.dtype == dtype and got.shape == (rows, out_features)
+                torch.testing.assert_close(
+                    got.float(), expected, atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype]
+                )
+
+
+def test_panel_gemm_leaves_odd_bf16_widths_to_other_backends() -> None:
+    """bf16 panels hold input pairs; a weight with an odd input width is not a candidate."""
+    assert "panels" not in {b.name for b in candidates(torch.empty(4, 7, dtype=torch.bfloat16))}
 
 
 @pytest.mark.parametrize(("backend", "dtype"), CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])

@@ -1,9 +1,10 @@
 """CPU GEMM backends for ``x @ weight.T (+ bias)``: a weight reordered once for a library's kernels.
 
 Which library is fastest depends on the CPU (vendor, generation, ISA), the shape and the dtype:
-MKL's packed sgemm wins on some Xeons, oneDNN's prepacked blocked layout on others (and on
-EPYC), plain ATen for some shapes. ``gemm_selection`` measures them on the machine; this
-module only holds the candidates.
+MKL's packed sgemm wins on some Xeons, oneDNN's prepacked blocked layout on others, Tessera's
+own panel GEMM (``csrc/panel_gemm.h``, AVX-512) on decode-sized batches on EPYC, plain ATen for
+some shapes. ``gemm_selection`` measures them on the machine; this module only holds the
+candidates.
 """
 
 from __future__ import annotations
@@ -54,9 +55,34 @@ class MklPackedWeight(PackedWeight):
         self.data = ops.mkl_pack_weight(weight.contiguous())
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = self.ops.mkl_linear(rows, self.data, self.out_features, _NO_BIAS if bias is None else bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        return _multiply_rows(self.ops.mkl_linear, x, self.data, self.out_features, bias)
+
+
+def _multiply_rows(
+    kernel: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """A native ``[M, K] x packed -> [M, N]`` kernel applied to ``x`` of any leading shape."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = kernel(rows, packed, out_features, _NO_BIAS if bias is None else bias)
+    return out.view(*x.shape[:-1], out_features)
+
+
+class PanelPackedWeight(PackedWeight):
+    """fp32 or bf16 through Tessera's own AVX-512 GEMM over 48-column weight panels
+    (``csrc/panel_gemm.h``); the packed copy is the weight's size, padded to whole panels."""
+
+    backend = "panels"
+
+    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
+        self.ops, self.out_features = ops, weight.shape[0]
+        self.data = ops.panel_pack_weight(weight.contiguous())
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _multiply_rows(self.ops.panel_linear, x, self.data, self.out_features, bias)
 
 
 class OneDnnPackedWeight(PackedWeight):
@@ -104,6 +130,23 @@ def _pack_mkl(weight: torch.Tensor) -> PackedWeight:
     return MklPackedWeight(weight, ops) if weight.dtype == torch.float32 else Fp32MklPackedWeight(weight, ops)
 
 
+def _panel_ops(weight: torch.Tensor) -> ModuleType | None:
+    """The native kernels when their panel GEMM multiplies ``weight``'s dtype here (bf16: even K)."""
+    ops = native_ops(weight.device)
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if ops is None or dtype not in ops.panel_gemm_dtypes():
+        return None
+    return ops if weight.dtype == torch.float32 or weight.shape[-1] % 2 == 0 else None
+
+
+def _pack_panels(weight: torch.Tensor) -> PackedWeight:
+    ops = _panel_ops(weight)
+    assert ops is not None, (
+        f"the panel GEMM cannot multiply a {weight.dtype} {tuple(weight.shape)} weight here"
+    )
+    return PanelPackedWeight(weight, ops)
+
+
 BACKENDS: dict[str, GemmBackend] = {
     backend.name: backend
     for backend in (
@@ -127,6 +170,7 @@ BACKENDS: dict[str, GemmBackend] = {
             ),
             OneDnnPackedWeight,
         ),
+        GemmBackend("panels", lambda w: w.device.type == "cpu" and _panel_ops(w) is not None, _pack_panels),
     )
 }
 

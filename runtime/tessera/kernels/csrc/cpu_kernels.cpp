@@ -19,9 +19,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "paged_attention.h"
+#include "panel_gemm.h"
 
 using namespace tessera;
 
@@ -379,6 +382,87 @@ torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch
   return out;
 }
 
+// The dtypes Tessera's panel GEMM (panel_gemm.h) multiplies on this CPU: it needs AVX-512, and
+// AVX512-BF16 for bf16.
+std::vector<std::string> panel_gemm_dtypes() {
+  std::vector<std::string> dtypes;
+  if (panels::kFp32) dtypes.emplace_back("float32");
+  if (panels::kBf16) dtypes.emplace_back("bfloat16");
+  return dtypes;
+}
+
+namespace {
+
+void check_panel_dtype(const torch::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 && panels::kFp32) || (dtype == torch::kBFloat16 && panels::kBf16), name,
+              ": the panel GEMM does not multiply ", dtype, " on this CPU");
+}
+
+// Calls fn with the tensor's elements as float or as bf16 bits.
+template <typename Fn>
+void with_panel_type(const torch::Tensor& t, Fn&& fn) {
+  if (t.scalar_type() == torch::kFloat32)
+    fn(static_cast<float*>(nullptr));
+  else
+    fn(static_cast<uint16_t*>(nullptr));
+}
+
+}  // namespace
+
+// weight [N, K] (fp32, or bf16 with K even) -> its panels, [ceil(N / 48), K * 48] of the same dtype.
+torch::Tensor panel_pack_weight(torch::Tensor weight) {
+  check_panel_dtype(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [N, K] tensor");
+  const int64_t n = weight.size(0), k = weight.size(1), count = panels::panel_count(n);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || k % 2 == 0, "a bf16 weight needs an even K, got ", k);
+  torch::Tensor packed = torch::empty({count, k * panels::kCols}, weight.options());
+  with_panel_type(weight, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* source = static_cast<const T*>(weight.data_ptr());
+    T* out = static_cast<T*>(packed.data_ptr());
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t panel = begin; panel < end; ++panel)
+        panels::pack_panel(source, n, k, panel, out + panel * k * panels::kCols);
+    });
+  });
+  return packed;
+}
+
+// x [M, K] times a weight packed by panel_pack_weight ([N, K] before), plus bias [N] when non-empty.
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias) {
+  check_panel_dtype(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "x and the packed weight must share a dtype");
+  const int64_t m = x.size(0), k = x.size(1), count = panels::panel_count(n);
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == count && packed.size(1) == k * panels::kCols,
+              "the packed weight does not hold ", n, " x ", k);
+  torch::Tensor padded_bias;  // fp32, whole panels wide, so every tile reads 48 values
+  if (bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == n, "bias must have ", n, " elements");
+    padded_bias = torch::zeros({count * panels::kCols}, x.options().dtype(torch::kFloat32));
+    padded_bias.narrow(0, 0, n).copy_(bias.reshape({n}));
+  }
+  const float* bias_data = bias.numel() > 0 ? padded_bias.data_ptr<float>() : nullptr;
+  torch::Tensor out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+#if defined(__AVX512F__)
+  with_panel_type(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (std::is_same_v<T, float> || panels::kBf16) {  // else rejected by check_panel_dtype
+      const T* in = static_cast<const T*>(x.data_ptr());
+      const T* weights = static_cast<const T*>(packed.data_ptr());
+      T* y = static_cast<T*>(out.data_ptr());
+      at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t panel = begin; panel < end; ++panel)
+          panels::multiply_panel(in, m, k, weights, n, panel, bias_data, y);
+      });
+    }
+  });
+#endif
+  return out;
+}
+
 // Pins thread t of the OpenMP pool (the one torch, MKL and these kernels share; the caller is
 // thread 0) to cpus[t]. libgomp keeps a team's threads for later regions of the same size, so
 // the pinning lasts while torch's thread count stays len(cpus). Whether each pin took.
@@ -405,6 +489,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache (prefill, decode, mixed)", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, with the residual add fused in when a residual is given", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
+  m.def("panel_gemm_dtypes", &panel_gemm_dtypes, "the dtypes panel_linear multiplies on this CPU");
+  m.def("panel_pack_weight", &panel_pack_weight, "pack an [N, K] weight into 48-column panels", nogil);
+  m.def("panel_linear", &panel_linear, "x @ weight.T (+ bias) with a panel-packed weight", nogil);
   m.def("bind_threads", &bind_threads, "pin OpenMP thread t to cpus[t]");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place", nogil);
   m.def("greedy_argmax", &greedy_argmax, "each row's index of its first maximum (first NaN if any)", nogil);
