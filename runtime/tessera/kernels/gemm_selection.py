@@ -4,7 +4,7 @@ A choice is per ``(out, in, dtype, threads, row profile, candidates)``: tensor-p
 measured at their own shapes. It is recorded in ``gemm_selection.v2.json`` beside the native
 kernel build (same folder, same key: torch version, CPU flags, kernel sources), so a machine
 measures a shape once and every later load, on any rank, reuses the verdict.
-``TESSERA_GEMM_BACKEND=aten|mkl|onednn`` forces one backend where it is supported.
+``TESSERA_GEMM_BACKEND=aten|mkl|onednn|mkl_fp32|panels`` forces one backend where it is supported.
 
 Scoring: each candidate is timed at every row count of the profile (decode-sized and
 prefill-sized batches) and scored by the geometric mean of its time relative to the fastest
