@@ -44,45 +44,38 @@ class AtenWeight(PackedWeight):
         return F.linear(x, self.data, bias)
 
 
-class MklPackedWeight(PackedWeight):
+class NativePackedWeight(PackedWeight):
+    """A weight packed by one of the native kernels' ``*_pack_weight`` functions and multiplied
+    by its ``*_linear`` partner (``[M, K] x packed -> [M, N]``, bias fp32 or empty)."""
+
+    pack_function: str
+    linear_function: str
+
+    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
+        self.out_features = weight.shape[0]
+        self.data = getattr(ops, self.pack_function)(weight.contiguous())
+        self.kernel: Callable[..., torch.Tensor] = getattr(ops, self.linear_function)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = self.kernel(rows, self.data, self.out_features, _NO_BIAS if bias is None else bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class MklPackedWeight(NativePackedWeight):
     """fp32 through MKL's packed GEMM (``cblas_sgemm_pack``/``compute``, via the native kernels);
     the packed copy is larger than the weight (about 1.6x plus ~10 MB)."""
 
     backend = "mkl"
-
-    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
-        self.ops, self.out_features = ops, weight.shape[0]
-        self.data = ops.mkl_pack_weight(weight.contiguous())
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _multiply_rows(self.ops.mkl_linear, x, self.data, self.out_features, bias)
+    pack_function, linear_function = "mkl_pack_weight", "mkl_linear"
 
 
-def _multiply_rows(
-    kernel: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    out_features: int,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """A native ``[M, K] x packed -> [M, N]`` kernel applied to ``x`` of any leading shape."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = kernel(rows, packed, out_features, _NO_BIAS if bias is None else bias)
-    return out.view(*x.shape[:-1], out_features)
-
-
-class PanelPackedWeight(PackedWeight):
+class PanelPackedWeight(NativePackedWeight):
     """fp32 or bf16 through Tessera's own AVX-512 GEMM over 48-column weight panels
     (``csrc/panel_gemm.h``); the packed copy is the weight's size, padded to whole panels."""
 
     backend = "panels"
-
-    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
-        self.ops, self.out_features = ops, weight.shape[0]
-        self.data = ops.panel_pack_weight(weight.contiguous())
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _multiply_rows(self.ops.panel_linear, x, self.data, self.out_features, bias)
+    pack_function, linear_function = "panel_pack_weight", "panel_linear"
 
 
 class OneDnnPackedWeight(PackedWeight):
