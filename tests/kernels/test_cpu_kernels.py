@@ -83,6 +83,7 @@ def mixed_batch(block_size: int, seed: int) -> tuple[list[tuple[int, int]], Atte
         (9, 3, 64, 16, 24, torch.float32),  # sliding window
         (4, 2, 80, 8, None, torch.float32),  # generic path: head_dim and block size off the fast path
         (6, 2, 64, 16, 50, torch.bfloat16),
+        (8, 2, 128, 16, None, torch.bfloat16),  # bf16 on the head_dim-128 fast path
     ],
 )
 def test_paged_attention_matches_aten(
