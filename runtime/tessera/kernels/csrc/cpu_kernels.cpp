@@ -437,13 +437,12 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, tor
   const int64_t m = x.size(0), k = x.size(1), count = panels::panel_count(n);
   TORCH_CHECK(packed.dim() == 2 && packed.size(0) == count && packed.size(1) == k * panels::kCols,
               "the packed weight does not hold ", n, " x ", k);
-  torch::Tensor padded_bias;  // fp32, whole panels wide, so every tile reads 48 values
+  torch::Tensor fp32_bias;  // the sums are fp32: a bf16 bias is widened once per call
   if (bias.numel() > 0) {
     TORCH_CHECK(bias.numel() == n, "bias must have ", n, " elements");
-    padded_bias = torch::zeros({count * panels::kCols}, x.options().dtype(torch::kFloat32));
-    padded_bias.narrow(0, 0, n).copy_(bias.reshape({n}));
+    fp32_bias = bias.reshape({n}).to(torch::kFloat32).contiguous();
   }
-  const float* bias_data = bias.numel() > 0 ? padded_bias.data_ptr<float>() : nullptr;
+  const float* bias_data = bias.numel() > 0 ? fp32_bias.data_ptr<float>() : nullptr;
   torch::Tensor out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
 #if defined(__AVX512F__)

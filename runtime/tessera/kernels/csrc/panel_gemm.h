@@ -73,7 +73,7 @@ inline void store(uint16_t* y, __m512 sum, __mmask16 mask) {
 }
 #endif
 
-// Rows [0, R) of x times one panel into y (row stride ldy), plus bias[0..48) when given.
+// Rows [0, R) of x times one panel into y (row stride ldy), plus the panel's fp32 bias when given.
 template <int R, typename T>
 inline void tile(const T* x, int64_t k, const T* panel, const float* bias, const ColumnMasks& masks, T* y,
                  int64_t ldy) {
@@ -111,8 +111,9 @@ inline void tile(const T* x, int64_t k, const T* panel, const float* bias, const
     }
 #endif
   }
-  if (bias != nullptr) {
-    const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16), b2 = _mm512_loadu_ps(bias + 32);
+  if (bias != nullptr) {  // the short last panel's bias reads only its real columns
+    const __m512 b0 = _mm512_maskz_loadu_ps(masks.lane[0], bias), b1 = _mm512_maskz_loadu_ps(masks.lane[1], bias + 16),
+                 b2 = _mm512_maskz_loadu_ps(masks.lane[2], bias + 32);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       sum[r][0] = _mm512_add_ps(sum[r][0], b0);
@@ -126,7 +127,7 @@ inline void tile(const T* x, int64_t k, const T* panel, const float* bias, const
 }
 
 // All m rows of x [m][k] times panel `panel` into its columns of y [m][n]; bias is the whole
-// fp32 bias padded to whole panels, or null.
+// fp32 bias [n], or null.
 template <typename T>
 void multiply_panel(const T* x, int64_t m, int64_t k, const T* packed, int64_t n, int64_t panel,
                     const float* bias, T* y) {

@@ -6,8 +6,8 @@ tensors one by one without knowing how each layer is sharded. With ``tp_size == 
 slice is the whole tensor and the layers are plain ``F.linear``.
 
 On CPU, ``process_weights_after_loading`` puts every weight once in the form of the GEMM
-backend measured fastest for its shape on this machine (MKL packed, oneDNN prepacked or
-ATen's ``F.linear``; see ``tessera.kernels.gemm_selection``).
+backend measured fastest for its shape on this machine (MKL packed, oneDNN prepacked, Tessera's
+AVX-512 panels or ATen's ``F.linear``; see ``tessera.kernels.gemm_selection``).
 """
 
 from __future__ import annotations
