@@ -667,7 +667,10 @@ def main() -> None:
 
     peaks = {dtype: measure_matmul_peak(getattr(torch, dtype)) for dtype in args.dtypes}
     for dtype, peak in peaks.items():
-        print(f"{dtype} matmul peak at {threads} threads: {peak['peak_flops'] / 1e9:.1f} GFLOP/s", flush=True)
+        print(
+            f"{dtype} matmul peak at {threads} threads: {peak['peak_flops'] / 1e9:.1f} GFLOP/s ({peak['best_form']})",
+            flush=True,
+        )
 
     hf_runs: list[RunResult] = []
     hf_outputs: dict[int, list[list[int]]] = {}

@@ -56,15 +56,21 @@ PANEL_DTYPES = [dtype for dtype in TOLERANCE if "panels" in backend_names(dtype)
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=[str(d)[6:] for d in PANEL_DTYPES])
 def test_panel_gemm_covers_short_panels_partial_tiles_and_strided_inputs(dtype: torch.dtype) -> None:
-    """Output widths that leave the last 48-column panel 1, 2, 17 or 47 columns short, row counts
-    around the 8-row tile, and an input that is a non-contiguous view."""
+    """Output widths that leave the last panel short (48 columns on AVX-512: 1, 2, 17 or 47 short;
+    16 on AVX2: 1, 2, 14 or 15), row counts around the 8- and 6-row tiles, an input wide enough
+    to be multiplied in several blocks of rows, and an input that is a non-contiguous view."""
     generator = torch.Generator().manual_seed(0)
-    for out_features, in_features in ((1, 6), (47, 64), (50, 80), (97, 64), (143, 32), (96, 2)):
+    shapes = ((1, 6), (47, 64), (50, 80), (97, 64), (143, 32), (96, 2), (50, 4096))
+    for out_features, in_features in shapes:
         weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
         bias = torch.randn(out_features, generator=generator).to(dtype)
         packed = BACKENDS["panels"].pack(weight)
-        assert packed.data.shape == (-(-out_features // 48), in_features * 48)
-        for rows in (1, 7, 8, 9, 16, 17, 65):
+        columns = packed.data.shape[1] // in_features
+        assert columns in (16, 48) and packed.data.shape == (
+            -(-out_features // columns),
+            in_features * columns,
+        )
+        for rows in (1, 5, 6, 7, 8, 9, 16, 17, 65):
             x = torch.randn(in_features, rows, generator=generator).to(dtype).t()  # a transposed view
             for with_bias in (None, bias):
                 expected = F.linear(x.float(), weight.float(), None if with_bias is None else bias.float())

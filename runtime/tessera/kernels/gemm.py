@@ -2,7 +2,7 @@
 
 Which library is fastest depends on the CPU (vendor, generation, ISA), the shape and the dtype:
 MKL's packed sgemm wins on some Xeons, oneDNN's prepacked blocked layout on others, Tessera's
-own panel GEMM (``csrc/panel_gemm.h``, AVX-512) on decode-sized batches on EPYC, plain ATen for
+own panel GEMM (``csrc/panel_gemm.h``, AVX-512 or AVX2) on EPYC Genoa and Milan, plain ATen for
 some shapes. ``gemm_selection`` measures them on the machine; this module only holds the
 candidates.
 """
@@ -71,8 +71,9 @@ class MklPackedWeight(NativePackedWeight):
 
 
 class PanelPackedWeight(NativePackedWeight):
-    """fp32 or bf16 through Tessera's own AVX-512 GEMM over 48-column weight panels
-    (``csrc/panel_gemm.h``); the packed copy is the weight's size, padded to whole panels."""
+    """fp32 or bf16 through Tessera's own GEMM over weight panels (``csrc/panel_gemm.h``: 48
+    columns on AVX-512, 16 on AVX2, where bf16 widens to fp32 in registers); the packed copy is the
+    weight's size, padded to whole panels."""
 
     backend = "panels"
     pack_function, linear_function = "panel_pack_weight", "panel_linear"
@@ -123,6 +124,16 @@ def _pack_mkl(weight: torch.Tensor) -> PackedWeight:
     return MklPackedWeight(weight, ops) if weight.dtype == torch.float32 else Fp32MklPackedWeight(weight, ops)
 
 
+def _onednn_supports(weight: torch.Tensor) -> bool:
+    """oneDNN's prepacked linear takes bf16 only where the CPU has bf16 support (AVX-512 BW/VL/DQ
+    or AVX-NE-CONVERT): elsewhere reordering the weight raises."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (
+        weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def _panel_ops(weight: torch.Tensor) -> ModuleType | None:
     """The native kernels when their panel GEMM multiplies ``weight``'s dtype here (bf16: even K)."""
     ops = native_ops(weight.device)
@@ -154,15 +165,7 @@ BACKENDS: dict[str, GemmBackend] = {
             lambda w: w.device.type == "cpu" and w.dtype == torch.bfloat16 and _mkl_ops(w) is not None,
             _pack_mkl,
         ),
-        GemmBackend(
-            "onednn",
-            lambda w: (
-                w.device.type == "cpu"
-                and w.dtype in (torch.float32, torch.bfloat16)
-                and torch.backends.mkldnn.is_available()
-            ),
-            OneDnnPackedWeight,
-        ),
+        GemmBackend("onednn", _onednn_supports, OneDnnPackedWeight),
         GemmBackend("panels", lambda w: w.device.type == "cpu" and _panel_ops(w) is not None, _pack_panels),
     )
 }

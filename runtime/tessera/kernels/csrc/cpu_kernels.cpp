@@ -183,8 +183,17 @@ void silu_and_mul_impl(const T* xs, T* os, int64_t rows, int64_t width) {
       const T* gate = xs + i * 2 * width;
       const T* up = gate + width;
       T* o = os + i * width;
-#pragma omp simd
-      for (int64_t d = 0; d < width; ++d) {
+      int64_t d = 0;
+      if constexpr (std::is_same_v<T, float> || IsBf16<T>::value) {
+        // Explicit vectors: whether GCC vectorised the loop below varied with -march's tuning.
+        for (; d + kLanes <= width; d += kLanes) {
+          const fvec g = loadv_as_float(gate + d);
+          const fvec e = expv(g < -g ? g : -g);
+          const fvec sigmoid = (g >= 0.0f ? broadcastv(1.0f) : e) / (1.0f + e);
+          storev_as(o + d, roundv_to<T>(g * sigmoid) * loadv_as_float(up + d));
+        }
+      }
+      for (; d < width; ++d) {
         const float g = to_float(gate[d]);
         // exp of a non-positive argument only: sigmoid is stable for both signs.
         const float e = exp_approx(-std::fabs(g));
@@ -258,15 +267,15 @@ int64_t row_argmax(const T* x, int64_t n) {
   bool nan = false;
   int64_t d = 0;
   if constexpr (std::is_same_v<T, float> || IsBf16<T>::value) {
-    f32x16 best = broadcast16(kNegInf);
-    i32x16 any_nan{};
-    for (; d + 16 <= n; d += 16) {
-      const f32x16 v = load16_as_float(x + d);
+    fvec best = broadcastv(kNegInf);
+    ivec any_nan{};
+    for (; d + kLanes <= n; d += kLanes) {
+      const fvec v = loadv_as_float(x + d);
       any_nan |= v != v;
       best = v > best ? v : best;  // NaN lanes compare false: they are tracked apart
     }
-    m = max16(best);
-    for (int i = 0; i < 16; ++i) nan |= any_nan[i] != 0;
+    m = hmax(best);
+    for (int i = 0; i < kLanes; ++i) nan |= any_nan[i] != 0;
   }
   for (; d < n; ++d) {
     const float v = to_float(x[d]);
@@ -382,8 +391,8 @@ torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch
   return out;
 }
 
-// The dtypes Tessera's panel GEMM (panel_gemm.h) multiplies on this CPU: it needs AVX-512, and
-// AVX512-BF16 for bf16.
+// The dtypes Tessera's panel GEMM (panel_gemm.h) multiplies on this CPU: it needs AVX-512 (and
+// AVX512-BF16 for bf16) or AVX2 with FMA (bf16 widened to fp32).
 std::vector<std::string> panel_gemm_dtypes() {
   std::vector<std::string> dtypes;
   if (panels::kFp32) dtypes.emplace_back("float32");
@@ -410,7 +419,8 @@ void with_panel_type(const torch::Tensor& t, Fn&& fn) {
 
 }  // namespace
 
-// weight [N, K] (fp32, or bf16 with K even) -> its panels, [ceil(N / 48), K * 48] of the same dtype.
+// weight [N, K] (fp32, or bf16 with K even) -> its panels, [ceil(N / C), K * C] of the same dtype
+// (C = panels::kCols: 48 on AVX-512, 16 on AVX2).
 torch::Tensor panel_pack_weight(torch::Tensor weight) {
   check_panel_dtype(weight, "weight");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [N, K] tensor");
@@ -445,16 +455,18 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, tor
   const float* bias_data = bias.numel() > 0 ? fp32_bias.data_ptr<float>() : nullptr;
   torch::Tensor out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
-#if defined(__AVX512F__)
+#if defined(TESSERA_PANELS_AVX512) || defined(TESSERA_PANELS_AVX2)
+  const bool widen = x.scalar_type() == torch::kBFloat16 && panels::kWidenBf16Inputs;
+  const torch::Tensor input = widen ? x.to(torch::kFloat32) : x;  // M x K: small beside the GEMM
   with_panel_type(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     if constexpr (std::is_same_v<T, float> || panels::kBf16) {  // else rejected by check_panel_dtype
-      const T* in = static_cast<const T*>(x.data_ptr());
+      using In = std::conditional_t<panels::kWidenBf16Inputs, float, T>;
+      const In* in = static_cast<const In*>(input.data_ptr());
       const T* weights = static_cast<const T*>(packed.data_ptr());
       T* y = static_cast<T*>(out.data_ptr());
       at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t panel = begin; panel < end; ++panel)
-          panels::multiply_panel(in, m, k, weights, n, panel, bias_data, y);
+        panels::multiply_panels(in, m, k, weights, n, begin, end, bias_data, y);
       });
     }
   });
@@ -489,7 +501,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, with the residual add fused in when a residual is given", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
   m.def("panel_gemm_dtypes", &panel_gemm_dtypes, "the dtypes panel_linear multiplies on this CPU");
-  m.def("panel_pack_weight", &panel_pack_weight, "pack an [N, K] weight into 48-column panels", nogil);
+  m.def("panel_pack_weight", &panel_pack_weight, "pack an [N, K] weight into column panels", nogil);
   m.def("panel_linear", &panel_linear, "x @ weight.T (+ bias) with a panel-packed weight", nogil);
   m.def("bind_threads", &bind_threads, "pin OpenMP thread t to cpus[t]");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place", nogil);

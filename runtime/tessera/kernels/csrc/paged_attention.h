@@ -96,114 +96,150 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-// ---- the fp32 fast path: blocks of 16 keys, head_dim a multiple of 16 ----------------------
+// ---- the fp32 fast path: chunks of kLanes keys, head_dim a multiple of kLanes ---------------
 //
-// One row's update for one block works on whole 16-lane vectors (GCC vector extensions, so
-// any x86-64 level compiles it; AVX-512 runs each as one instruction): a 16-lane partial
-// product per key, one transposing tree reduction for all 16 scores (instead of a horizontal
-// sum per key), then a vector max, exp and sum. The plain per-key loops spent most of their
-// time on latency chains and scalar tails.
+// One row's update for one chunk of keys works on whole vectors of kLanes floats (GCC vector
+// extensions: 16 lanes where AVX-512 runs each as one instruction, 8 on AVX2, whose 16 ymm
+// registers 16-lane code would spill all the time): a vector of partial products per key, one
+// transposing tree reduction for all of the chunk's scores (instead of a horizontal sum per
+// key), then a vector max, exp and sum. The plain per-key loops spent most of their time on
+// latency chains and scalar tails.
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int64_t kLanes = 8;
+constexpr int kVectorRegisters = 16;
+#endif
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+typedef float fvec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t hvec __attribute__((vector_size(2 * kLanes)));
+
+inline fvec loadv(const float* p) {
+  fvec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof(v)); }
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-// 16 elements of a type the fast paths take (fp32, bf16), as fp32 lanes: bf16 widens in
+// kLanes elements of a type the fast paths take (fp32, bf16), as fp32 lanes: bf16 widens in
 // registers (zero-extend, shift), so a cache block is read once and never staged.
 template <typename T>
-inline f32x16 load16_as_float(const T* p) {
+inline fvec loadv_as_float(const T* p) {
   static_assert(std::is_same_v<T, float> || IsBf16<T>::value, "fp32 or bf16");
   if constexpr (std::is_same_v<T, float>) {
-    return load16(p);
+    return loadv(p);
   } else {
 #ifdef __AVX512F__
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return reinterpret_cast<f32x16>(_mm512_slli_epi32(wide, 16));
+    return reinterpret_cast<fvec>(_mm512_slli_epi32(wide, 16));
 #else
-    u16x16 half;
+    hvec half;
     std::memcpy(&half, p, sizeof(half));
-    return reinterpret_cast<f32x16>(__builtin_convertvector(half, i32x16) << 16);
+    return reinterpret_cast<fvec>(__builtin_convertvector(half, ivec) << 16);
 #endif
   }
 }
 
-inline f32x16 broadcast16(float x) { return f32x16{} + x; }
+inline fvec broadcastv(float x) { return fvec{} + x; }
 
-// Halves a and b into one vector: lanes 0-7 from a's pairs, 8-15 from b's (by the masks).
-inline f32x16 fold(f32x16 a, f32x16 b, i32x16 lo, i32x16 hi) {
-  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+typedef uint32_t uvec __attribute__((vector_size(4 * kLanes)));
+
+// round_to on a vector: v rounded to T's precision (fp32 or bf16), kept in fp32 lanes.
+template <typename T>
+inline fvec roundv_to(fvec v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    static_assert(IsBf16<T>::value, "fp32 or bf16");
+    const uvec bits = reinterpret_cast<uvec>(v);
+    const uvec rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    const uvec quiet_nan = uvec{} + 0x7FC00000u;
+    return reinterpret_cast<fvec>(v != v ? quiet_nan : rounded);
+  }
 }
 
-// Lane j of the result = the sum of p[j]'s 16 lanes (p is clobbered).
-inline f32x16 transpose_sum16(f32x16* p) {
-  const i32x16 lo8{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const i32x16 hi8{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const i32x16 lo4{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const i32x16 hi4{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const i32x16 lo2{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const i32x16 hi2{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const i32x16 lo1{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const i32x16 hi1{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  for (int i = 0; i < 8; ++i) p[i] = fold(p[2 * i], p[2 * i + 1], lo8, hi8);
-  for (int i = 0; i < 4; ++i) p[i] = fold(p[2 * i], p[2 * i + 1], lo4, hi4);
-  for (int i = 0; i < 2; ++i) p[i] = fold(p[2 * i], p[2 * i + 1], lo2, hi2);
-  return fold(p[0], p[1], lo1, hi1);
+// from_float on a vector, stored: kLanes elements of T (fp32 or bf16) at p.
+template <typename T>
+inline void storev_as(T* p, fvec v) {
+  if constexpr (std::is_same_v<T, float>) {
+    storev(p, v);
+  } else {
+    const hvec half = __builtin_convertvector(reinterpret_cast<uvec>(roundv_to<T>(v)) >> 16, hvec);
+    std::memcpy(p, &half, sizeof(half));
+  }
 }
 
-inline f32x16 swap_lanes(f32x16 v, int width) {
-  i32x16 mask;
-  for (int i = 0; i < 16; ++i) mask[i] = i ^ width;
+// 0, 1, ..., kLanes - 1.
+inline ivec lane_indices() {
+  ivec lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  return lane;
+}
+
+// Halves a and b into one vector at tree level s: lanes of a's pairs of s-runs, then b's.
+inline fvec fold(fvec a, fvec b, int s) {
+  ivec lo;
+  for (int l = 0; l < kLanes; ++l) lo[l] = 2 * s * (l / s) + l % s;
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + s);
+}
+
+// Lane j of the result = the sum of p[j]'s lanes (p holds kLanes vectors, and is clobbered).
+inline fvec transpose_sum(fvec* p) {
+  for (int s = kLanes / 2; s >= 1; s /= 2)
+    for (int i = 0; i < s; ++i) p[i] = fold(p[2 * i], p[2 * i + 1], s);
+  return p[0];
+}
+
+inline fvec swap_lanes(fvec v, int width) {
+  ivec mask;
+  for (int i = 0; i < kLanes; ++i) mask[i] = i ^ width;
   return __builtin_shuffle(v, mask);
 }
 
-inline float max16(f32x16 v) {
-  for (int width = 8; width >= 1; width /= 2) {
-    const f32x16 other = swap_lanes(v, width);
+inline float hmax(fvec v) {
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    const fvec other = swap_lanes(v, width);
     v = v > other ? v : other;
   }
   return v[0];
 }
 
-inline float sum16(f32x16 v) {
-  for (int width = 8; width >= 1; width /= 2) v += swap_lanes(v, width);
+inline float hsum(fvec v) {
+  for (int width = kLanes / 2; width >= 1; width /= 2) v += swap_lanes(v, width);
   return v[0];
 }
 
-// In place, m[r][l] becomes m[l][r]: four rounds that swap ever smaller off-diagonal blocks.
-inline void transpose16(f32x16* m) {
-  for (int s = 8; s >= 1; s /= 2) {
-    i32x16 lo, hi;
-    for (int l = 0; l < 16; ++l) {
-      lo[l] = (l & s) == 0 ? l : 16 + l - s;
-      hi[l] = (l & s) == 0 ? l + s : 16 + l;
+// In place, m[r][l] becomes m[l][r] (kLanes vectors): rounds that swap ever smaller
+// off-diagonal blocks.
+inline void transpose_lanes(fvec* m) {
+  for (int s = kLanes / 2; s >= 1; s /= 2) {
+    ivec lo, hi;
+    for (int l = 0; l < kLanes; ++l) {
+      lo[l] = (l & s) == 0 ? l : kLanes + l - s;
+      hi[l] = (l & s) == 0 ? l + s : kLanes + l;
     }
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < kLanes; ++i) {
       if (i & s) continue;
-      const f32x16 a = m[i], b = m[i + s];
+      const fvec a = m[i], b = m[i + s];
       m[i] = __builtin_shuffle(a, b, lo);
       m[i + s] = __builtin_shuffle(a, b, hi);
     }
   }
 }
 
-// exp_approx on 16 lanes.
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 floor = broadcast16(-87.0f);
+// exp_approx on a vector.
+inline fvec expv(fvec x) {
+  const fvec floor = broadcastv(-87.0f);
   x = x > floor ? x : floor;
-  const f32x16 t = x * 1.4426950408889634f;
-  const f32x16 n = (t + 12582912.0f) - 12582912.0f;
-  const f32x16 p = exp_fraction((t - n) * 0.6931471805599453f);
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
+  const fvec t = x * 1.4426950408889634f;
+  const fvec n = (t + 12582912.0f) - 12582912.0f;
+  const fvec p = exp_fraction((t - n) * 0.6931471805599453f);
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  fvec scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
@@ -246,36 +282,38 @@ struct KvPrefetcher {
 
 // Online-softmax update of R query rows that share a KV head (so they share the keys and
 // values: each key and value vector is loaded once for all R) with keys [j0[r], j1[r]) of a
-// 16-key block. Several rows at once also keeps several independent dependency chains in
-// flight: one row alone spends most of its time waiting on the reductions' latency.
-// idx[r] is the row's index into query / acc (kD floats each), row_max and row_sum.
+// chunk of kLanes keys (a row's range may be empty). Several rows at once also keeps several
+// independent dependency chains in flight: one row alone spends most of its time waiting on
+// the reductions' latency. idx[r] is the row's index into query / acc (kD floats each),
+// row_max and row_sum.
 template <typename T, int64_t kD, int R>
-inline void attend_rows_block16(const float* query, const T* keys, const T* values, int64_t stride,
-                                const int64_t* idx, const int64_t* j0, const int64_t* j1, float* row_max,
-                                float* row_sum, float* acc, KvPrefetcher& shared_prefetcher) {
-  static_assert(kD % 16 == 0, "head_dim must be a multiple of 16");
-  constexpr int64_t kV = kD / 16;
+inline void attend_rows_chunk(const float* query, const T* keys, const T* values, int64_t stride,
+                              const int64_t* idx, const int64_t* j0, const int64_t* j1, float* row_max,
+                              float* row_sum, float* acc, KvPrefetcher& shared_prefetcher) {
+  static_assert(kD % kLanes == 0, "head_dim must be a multiple of kLanes");
+  constexpr int64_t kV = kD / kLanes;
   KvPrefetcher prefetcher = shared_prefetcher;  // in registers here, not stored back every step
-  int64_t lo = j0[0], hi = j1[0];
-  for (int r = 1; r < R; ++r) {
+  int64_t lo = kLanes, hi = 0;
+  for (int r = 0; r < R; ++r) {
+    if (j0[r] >= j1[r]) continue;
     lo = std::min(lo, j0[r]);
     hi = std::max(hi, j1[r]);
   }
-  f32x16 q[R][kV];
+  fvec q[R][kV];
   for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < kV; ++i) q[r][i] = load16(query + idx[r] * kD + 16 * i);
+    for (int64_t i = 0; i < kV; ++i) q[r][i] = loadv(query + idx[r] * kD + kLanes * i);
 
-  f32x16 partial[R][16];
-  for (int64_t j = 0; j < 16; ++j) {
+  fvec partial[R][kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
     if (j < lo || j >= hi) {
-      for (int r = 0; r < R; ++r) partial[r][j] = f32x16{};
+      for (int r = 0; r < R; ++r) partial[r][j] = fvec{};
       continue;
     }
     prefetcher.step();
-    f32x16 k[kV];
-    for (int64_t i = 0; i < kV; ++i) k[i] = load16_as_float(keys + j * stride + 16 * i);
+    fvec k[kV];
+    for (int64_t i = 0; i < kV; ++i) k[i] = loadv_as_float(keys + j * stride + kLanes * i);
     for (int r = 0; r < R; ++r) {
-      f32x16 even = q[r][0] * k[0], odd = f32x16{};
+      fvec even = q[r][0] * k[0], odd = fvec{};
       for (int64_t i = 1; i < kV; ++i) {
         if (i % 2)
           odd += q[r][i] * k[i];
@@ -286,57 +324,71 @@ inline void attend_rows_block16(const float* query, const T* keys, const T* valu
     }
   }
 
-  const i32x16 lane{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  f32x16 p[R];
+  const ivec lane = lane_indices();
+  fvec p[R];
   float correction[R];
   for (int r = 0; r < R; ++r) {
-    const i32x16 valid = (lane >= static_cast<int32_t>(j0[r])) & (lane < static_cast<int32_t>(j1[r]));
-    const f32x16 scores = valid ? transpose_sum16(partial[r]) : broadcast16(kNegInf);
+    const ivec valid = (lane >= static_cast<int32_t>(j0[r])) & (lane < static_cast<int32_t>(j1[r]));
+    const fvec scores = valid ? transpose_sum(partial[r]) : broadcastv(kNegInf);
     float& m = row_max[idx[r]];
-    const float new_max = std::max(m, max16(scores));
-    p[r] = valid ? exp16(scores - new_max) : f32x16{};
+    const float new_max = std::max(m, hmax(scores));
+    p[r] = valid ? expv(scores - new_max) : fvec{};
     correction[r] = m == kNegInf ? 0.0f : exp_approx(m - new_max);
     m = new_max;
-    row_sum[idx[r]] = row_sum[idx[r]] * correction[r] + sum16(p[r]);
+    row_sum[idx[r]] = row_sum[idx[r]] * correction[r] + hsum(p[r]);
   }
 
-  f32x16 out[R][kV];
+  fvec out[R][kV];
   for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < kV; ++i) out[r][i] = load16(acc + idx[r] * kD + 16 * i) * correction[r];
+    for (int64_t i = 0; i < kV; ++i) out[r][i] = loadv(acc + idx[r] * kD + kLanes * i) * correction[r];
   for (int64_t j = lo; j < hi; ++j) {
     prefetcher.step();
-    f32x16 v[kV];
-    for (int64_t i = 0; i < kV; ++i) v[i] = load16_as_float(values + j * stride + 16 * i);
+    fvec v[kV];
+    for (int64_t i = 0; i < kV; ++i) v[i] = loadv_as_float(values + j * stride + kLanes * i);
     for (int r = 0; r < R; ++r) {
       const float pj = p[r][j];  // 0 outside the row's own range
       for (int64_t i = 0; i < kV; ++i) out[r][i] += pj * v[i];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < kV; ++i) store16(acc + idx[r] * kD + 16 * i, out[r][i]);
+    for (int64_t i = 0; i < kV; ++i) storev(acc + idx[r] * kD + kLanes * i, out[r][i]);
   shared_prefetcher.offset = prefetcher.offset;
 }
 
+// The rows (up to four) of one KV head with keys [j0[r], j1[r]) of a cache block, a chunk of
+// kLanes keys at a time.
 template <typename T, int64_t kD>
-inline void attend_rows_block16(int count, const float* query, const T* keys, const T* values, int64_t stride,
-                                const int64_t* idx, const int64_t* j0, const int64_t* j1, float* row_max,
-                                float* row_sum, float* acc, KvPrefetcher& prefetcher) {
-  switch (count) {
-    case 4:
-      return attend_rows_block16<T, kD, 4>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc, prefetcher);
-    case 3:
-      return attend_rows_block16<T, kD, 3>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc, prefetcher);
-    case 2:
-      return attend_rows_block16<T, kD, 2>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc, prefetcher);
-    default:
-      return attend_rows_block16<T, kD, 1>(query, keys, values, stride, idx, j0, j1, row_max, row_sum, acc,
-                                               prefetcher);
+inline void attend_rows_block(int count, const float* query, const T* keys, const T* values, int64_t stride,
+                              int64_t block_keys, const int64_t* idx, const int64_t* j0, const int64_t* j1,
+                              float* row_max, float* row_sum, float* acc, KvPrefetcher& prefetcher) {
+  for (int64_t c0 = 0; c0 < block_keys; c0 += kLanes) {
+    int64_t chunk_j0[4], chunk_j1[4];
+    bool any = false;
+    for (int r = 0; r < count; ++r) {
+      chunk_j0[r] = std::max<int64_t>(j0[r] - c0, 0);
+      chunk_j1[r] = std::min<int64_t>(j1[r] - c0, kLanes);
+      any |= chunk_j0[r] < chunk_j1[r];
+    }
+    if (!any) continue;
+    const T* k = keys + c0 * stride;
+    const T* v = values + c0 * stride;
+#define TESSERA_ROWS(R)                                                                                  \
+  case R:                                                                                                \
+    attend_rows_chunk<T, kD, R>(query, k, v, stride, idx, chunk_j0, chunk_j1, row_max, row_sum, acc, prefetcher); \
+    break;
+    switch (count) {  // 1 to 4
+      TESSERA_ROWS(1)
+      TESSERA_ROWS(2)
+      TESSERA_ROWS(3)
+      TESSERA_ROWS(4)
+    }
+#undef TESSERA_ROWS
   }
 }
 
 // fp32 and bf16 (widened to fp32 lanes as they are loaded) take the vector paths.
 template <typename T, int64_t kD>
-constexpr bool kFastPath = (std::is_same_v<T, float> || IsBf16<T>::value) && kD > 0 && kD % 16 == 0;
+constexpr bool kFastPath = (std::is_same_v<T, float> || IsBf16<T>::value) && kD > 0 && kD % kLanes == 0;
 
 // ---- the generic path ------------------------------------------------------------------------
 
@@ -410,21 +462,21 @@ struct TileScratch {
 
 // ---- the fp32 fast path for many query rows per KV head (prefills, long chunks) -------------
 //
-// The rows sharing a KV head go sixteen to a vector, a lane each (the queries are transposed
-// once per item), so a block's scores come out as one vector per key with a lane per row: each
+// The rows sharing a KV head go kLanes to a vector, a lane each (the queries are transposed
+// once per item), so a chunk's scores come out as one vector per key with a lane per row: each
 // key element is broadcast from memory into an FMA, and the softmax's max, exp and sums are
 // lane-wise. The one-row path instead reduces every key's products across lanes with shuffles,
 // which x86 runs on a single port: prefill attention was bound there.
 
-constexpr int64_t kLanes = 16;
 // Fewer rows than this per KV head (a decode has just the group) would leave the lanes mostly empty.
 constexpr int64_t kMinLaneRows = 8;
 
 template <typename T, int64_t kD>
 void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& s) {
-  static_assert(kD % 16 == 0, "head_dim must be a multiple of 16");
-  constexpr int64_t kV = kD / 16;
-  constexpr int64_t kPvRows = kD <= 64 ? 4 : 2;  // accumulators of the rows one value load serves
+  static_assert(kD % kLanes == 0, "head_dim must be a multiple of kLanes");
+  constexpr int64_t kV = kD / kLanes;
+  // The rows one value load serves: their accumulators fill half the vector registers.
+  constexpr int64_t kPvRows = std::max<int64_t>(1, kVectorRegisters / 2 / kV);
   const int64_t group = a.group;
   const int64_t query_len = a.starts[item.seq + 1] - a.starts[item.seq];
   const int64_t first_pos = a.lens[item.seq] - query_len;
@@ -440,7 +492,7 @@ void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScr
     s.lane_correction.resize(kLanes);
     s.lane_keys.resize(kLanes * kD);
   }
-  // Lane L = (kv_head * vecs_per_kv_head) * 16 + i for the KV head's row i = token * group + head.
+  // Lane L = (kv_head * vecs_per_kv_head) * kLanes + i for the KV head's row i = token * group + head.
   float* query = s.lane_query.data();  // [vector][d][lane]
   float* acc = s.lane_acc.data();      // [lane][d]
   float* lane_sum = s.lane_sum.data();
@@ -468,11 +520,11 @@ void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScr
       src[lane] = a.q + (token_base + token) * a.q_stride + head * kD;
     }
     for (int64_t d0 = 0; d0 < kD; d0 += kLanes) {
-      f32x16 block[kLanes];
+      fvec block[kLanes];
       for (int64_t lane = 0; lane < kLanes; ++lane)
-        block[lane] = src[lane] != nullptr ? load16_as_float(src[lane] + d0) * a.scale : f32x16{};
-      transpose16(block);
-      for (int64_t k = 0; k < kLanes; ++k) store16(query + (vec * kD + d0 + k) * kLanes, block[k]);
+        block[lane] = src[lane] != nullptr ? loadv_as_float(src[lane] + d0) * a.scale : fvec{};
+      transpose_lanes(block);
+      for (int64_t k = 0; k < kLanes; ++k) storev(query + (vec * kD + d0 + k) * kLanes, block[k]);
     }
   }
 
@@ -480,27 +532,28 @@ void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScr
   const int64_t last_pos = first_pos + item.q_end - 1;
   int64_t first_key = 0;
   if (a.sliding_window > 0) first_key = std::max<int64_t>(0, first_pos + item.q_begin - a.sliding_window + 1);
-  const int64_t first_block = first_key / kLanes, last_block = last_pos / kLanes;
-  // One vector of rows at a time over all its blocks: its queries, accumulators and the block's
-  // keys stay in L1 (blocks outermost would cycle every row's state through it per block).
+  const int64_t first_chunk = first_key / kLanes, last_chunk = last_pos / kLanes;
+  // One vector of rows at a time over all its key chunks (kLanes keys of one cache block): its
+  // queries, accumulators and the chunk's keys stay in L1 (chunks outermost would cycle every
+  // row's state through it per chunk).
   for (int64_t vec = 0; vec < a.num_kv_heads * vecs_per_kv_head; ++vec) {
     const int64_t h = vec / vecs_per_kv_head;
     const float* q = query + vec * kD * kLanes;
     float* vec_acc = acc + vec * kLanes * kD;
-    i32x16 pos;
+    ivec pos;
     std::memcpy(&pos, lane_pos + vec * kLanes, sizeof(pos));
-    f32x16 row_max = broadcast16(kNegInf), row_sum{};
-    for (int64_t b = first_block; b <= last_block; ++b) {
-      const int64_t key0 = b * kLanes;
+    fvec row_max = broadcastv(kNegInf), row_sum{};
+    for (int64_t chunk = first_chunk; chunk <= last_chunk; ++chunk) {
+      const int64_t key0 = chunk * kLanes;
       const int64_t block_keys = std::min(kLanes, last_pos + 1 - key0);
-      // Each lane's keys in this block: [j0, j1) (causal, and the window's start).
-      i32x16 j1 = pos - static_cast<int32_t>(key0) + 1;
-      const i32x16 keys_here = i32x16{} + static_cast<int32_t>(block_keys);
+      // Each lane's keys in this chunk: [j0, j1) (causal, and the window's start).
+      ivec j1 = pos - static_cast<int32_t>(key0) + 1;
+      const ivec keys_here = ivec{} + static_cast<int32_t>(block_keys);
       j1 = j1 < keys_here ? j1 : keys_here;
-      i32x16 j0{};
+      ivec j0{};
       if (a.sliding_window > 0) {
         j0 = pos - static_cast<int32_t>(a.sliding_window + key0) + 1;
-        j0 = j0 > i32x16{} ? j0 : i32x16{};
+        j0 = j0 > ivec{} ? j0 : ivec{};
       }
       int32_t lo = kLanes, hi = 0;
       for (int64_t lane = 0; lane < kLanes; ++lane) {
@@ -509,42 +562,43 @@ void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScr
           hi = std::max(hi, j1[lane]);
         }
       }
-      if (lo >= hi) continue;  // no row of this vector sees a key of this block
-      const T* keys = a.cache + table[b] * kLanes * a.token_stride + h * kD;
-      // The block's keys packed (kD apart, not a cache slot apart): fixed offsets in the loop below.
+      if (lo >= hi) continue;  // no row of this vector sees a key of this chunk
+      const int64_t slot = table[key0 / a.block_size] * a.block_size + key0 % a.block_size;
+      const T* keys = a.cache + slot * a.token_stride + h * kD;
+      // The chunk's keys packed (kD apart, not a cache slot apart): fixed offsets in the loop below.
       for (int64_t j = lo; j < hi; ++j)
         for (int64_t i = 0; i < kV; ++i)
-          store16(key_block + j * kD + 16 * i, load16_as_float(keys + j * a.token_stride + 16 * i));
+          storev(key_block + j * kD + kLanes * i, loadv_as_float(keys + j * a.token_stride + kLanes * i));
       const T* values = keys + a.kv_plane;
 
       // Scores: one vector (a lane per row) per key; keys outside [lo, hi) are masked below.
-      f32x16 scores[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) scores[j] = f32x16{};
+      fvec scores[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) scores[j] = fvec{};
       for (int64_t d = 0; d < kD; ++d) {
-        const f32x16 qd = load16(q + d * kLanes);
+        const fvec qd = loadv(q + d * kLanes);
         for (int64_t j = 0; j < kLanes; ++j) scores[j] += qd * key_block[j * kD + d];
       }
-      const f32x16 neg_inf = broadcast16(kNegInf);
-      f32x16 block_max = neg_inf;
+      const fvec neg_inf = broadcastv(kNegInf);
+      fvec block_max = neg_inf;
       for (int64_t j = 0; j < kLanes; ++j) {
-        const i32x16 key = i32x16{} + static_cast<int32_t>(j);
-        const i32x16 valid = (key >= j0) & (key < j1);
+        const ivec key = ivec{} + static_cast<int32_t>(j);
+        const ivec valid = (key >= j0) & (key < j1);
         scores[j] = valid ? scores[j] : neg_inf;
         block_max = block_max > scores[j] ? block_max : scores[j];
       }
-      const f32x16 new_max = row_max > block_max ? row_max : block_max;
+      const fvec new_max = row_max > block_max ? row_max : block_max;
       // A lane with no key yet keeps max -inf: exp's argument must stay finite there.
-      const f32x16 shift = new_max == neg_inf ? f32x16{} : new_max;
-      const f32x16 scale = row_max == neg_inf ? f32x16{} : exp16(row_max - shift);
-      f32x16 sum{};
+      const fvec shift = new_max == neg_inf ? fvec{} : new_max;
+      const fvec scale = row_max == neg_inf ? fvec{} : expv(row_max - shift);
+      fvec sum{};
       for (int64_t j = lo; j < hi; ++j) {
-        const f32x16 p = scores[j] == neg_inf ? f32x16{} : exp16(scores[j] - shift);
-        store16(probs + j * kLanes, p);
+        const fvec p = scores[j] == neg_inf ? fvec{} : expv(scores[j] - shift);
+        storev(probs + j * kLanes, p);
         sum += p;
       }
       row_max = new_max;
       row_sum = row_sum * scale + sum;
-      store16(correction, scale);
+      storev(correction, scale);
 
       // Outputs: rows kPvRows at a time, so each value vector loaded serves them all.
       for (int64_t r0 = 0; r0 < kLanes; r0 += kPvRows) {
@@ -552,22 +606,22 @@ void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScr
         for (int64_t r = r0; r < r0 + kPvRows; ++r) any |= j0[r] < j1[r];
         if (!any) continue;  // no key here: the max is unchanged, so the correction is 1 (or 0 on zeros)
         float* rows_acc = vec_acc + r0 * kD;
-        f32x16 out[kPvRows][kV];
+        fvec out[kPvRows][kV];
         for (int64_t r = 0; r < kPvRows; ++r)
-          for (int64_t i = 0; i < kV; ++i) out[r][i] = load16(rows_acc + r * kD + 16 * i) * correction[r0 + r];
+          for (int64_t i = 0; i < kV; ++i) out[r][i] = loadv(rows_acc + r * kD + kLanes * i) * correction[r0 + r];
         for (int64_t j = lo; j < hi; ++j) {
-          f32x16 v[kV];
-          for (int64_t i = 0; i < kV; ++i) v[i] = load16_as_float(values + j * a.token_stride + 16 * i);
+          fvec v[kV];
+          for (int64_t i = 0; i < kV; ++i) v[i] = loadv_as_float(values + j * a.token_stride + kLanes * i);
           for (int64_t r = 0; r < kPvRows; ++r) {
             const float pj = probs[j * kLanes + r0 + r];  // 0 outside the row's own keys
             for (int64_t i = 0; i < kV; ++i) out[r][i] += pj * v[i];
           }
         }
         for (int64_t r = 0; r < kPvRows; ++r)
-          for (int64_t i = 0; i < kV; ++i) store16(rows_acc + r * kD + 16 * i, out[r][i]);
+          for (int64_t i = 0; i < kV; ++i) storev(rows_acc + r * kD + kLanes * i, out[r][i]);
       }
     }
-    store16(lane_sum + vec * kLanes, row_sum);
+    storev(lane_sum + vec * kLanes, row_sum);
   }
   for (int64_t h = 0; h < a.num_kv_heads; ++h) {
     for (int64_t i = 0; i < rows_per_kv_head; ++i) {
@@ -591,7 +645,7 @@ constexpr int64_t kPrefetchDistance = 1;
 template <typename T, int64_t kD>
 void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& scratch) {
   if constexpr (kFastPath<T, kD>) {
-    if (a.block_size == kLanes && (item.q_end - item.q_begin) * a.group >= kMinLaneRows)
+    if (a.block_size % kLanes == 0 && (item.q_end - item.q_begin) * a.group >= kMinLaneRows)
       return attend_tile_lanes<T, kD>(a, item, scratch);
   }
   const int64_t D = kD > 0 ? kD : a.head_dim;
@@ -650,7 +704,7 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
     const int64_t prefetch_per_row = (block_bytes / kCacheLine + rows - 1) / rows * kCacheLine;
     // The fast path makes a K and a V pass over the block's keys per group of up to four rows
     // of a KV head: the prefetches are spread over those passes.
-    const bool interleaved = kFastPath<T, kD> && a.block_size == 16;
+    const bool interleaved = kFastPath<T, kD> && a.block_size % kLanes == 0;
     KvPrefetcher prefetcher;
     if (interleaved)
       prefetcher.start(next, plane_bytes, block_bytes, 2 * a.block_size * a.num_kv_heads * ((group + 3) / 4));
@@ -660,8 +714,8 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
       if constexpr (kFastPath<T, kD>) {
         if (pending == 0) return;
         const T* keys = block_keys_all + kv_head_of(pending_idx[0]) * D;
-        attend_rows_block16<T, kD>(static_cast<int>(pending), query, keys, keys + a.kv_plane, a.token_stride,
-                                pending_idx, pending_j0, pending_j1, row_max, row_sum, acc, prefetcher);
+        attend_rows_block<T, kD>(static_cast<int>(pending), query, keys, keys + a.kv_plane, a.token_stride,
+                                 block_keys, pending_idx, pending_j0, pending_j1, row_max, row_sum, acc, prefetcher);
         pending = 0;
       }
     };
@@ -676,7 +730,7 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
       const int64_t j1 = std::min(block_keys, pos - key0 + 1);
       if (j0 >= j1) continue;
       if constexpr (kFastPath<T, kD>) {
-        if (a.block_size == 16) {
+        if (a.block_size % kLanes == 0) {
           if (pending == 4 || (pending > 0 && kv_head_of(pending_idx[0]) != kv_head_of(r))) flush();
           pending_idx[pending] = r;
           pending_j0[pending] = j0;
