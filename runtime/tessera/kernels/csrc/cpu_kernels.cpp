@@ -465,9 +465,11 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, tor
       const In* in = static_cast<const In*>(input.data_ptr());
       const T* weights = static_cast<const T*>(packed.data_ptr());
       T* y = static_cast<T*>(out.data_ptr());
-      at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-        panels::multiply_panels(in, m, k, weights, n, begin, end, bias_data, y);
-      });
+      const panels::PanelWork work(m, k, count, sizeof(In), at::get_num_threads());
+      const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), work.items));
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+      for (int64_t item = 0; item < work.items; ++item)
+        panels::multiply_item(work, item, in, k, weights, n, count, bias_data, y);
     }
   });
 #endif

@@ -270,9 +270,9 @@ void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t 
 }
 
 // Rows of x per pass over the panels: a block of x small enough to stay in L2 while every panel
-// passes by it. A prefill chunk's x (2048 rows x 1536 inputs: 12 MB) read from DRAM once per
-// panel ran the down projection at a third of the FMA rate on an EPYC Milan; the panels, read
-// once per block instead, come from L3.
+// passes by it. A prefill chunk's x (2048 rows x 1536 inputs: 12 MB) fits in no cache, and
+// would be read from DRAM once per panel; the panels, read once per block instead, are
+// megabytes, and stay in L3.
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 
 inline int64_t row_block(int64_t k, int64_t element_size) {
@@ -280,15 +280,28 @@ inline int64_t row_block(int64_t k, int64_t element_size) {
   return std::max(kTileRows, rows / kTileRows * kTileRows);
 }
 
-// Panels [panel_begin, panel_end) of x [m][k] @ W^T into their columns of y [m][n], a block of
-// rows at a time.
+// A multiplication's work items: a block of rows times a run of panels each, row blocks
+// outermost so the threads share one block of x at a time. Threads take items dynamically:
+// on a VM one vCPU is often slower than the other for a while, and an even static split of the
+// panels then waits for it at every GEMM's end.
+struct PanelWork {
+  int64_t m, block, run, runs, items;
+  PanelWork(int64_t m, int64_t k, int64_t count, int64_t element_size, int64_t threads)
+      : m(m), block(row_block(k, element_size)) {
+    run = std::max<int64_t>(1, count / (8 * std::max<int64_t>(1, threads)));  // ~8 items per thread
+    runs = (count + run - 1) / run;
+    items = (m + block - 1) / block * runs;
+  }
+};
+
+// Item `item` of `work`: its rows of x [m][k] times its panels into their columns of y [m][n].
 template <typename In, typename T>
-void multiply_panels(const In* x, int64_t m, int64_t k, const T* packed, int64_t n, int64_t panel_begin,
-                     int64_t panel_end, const float* bias, T* y) {
-  const int64_t block = row_block(k, sizeof(In));
-  for (int64_t row = 0; row < m; row += block)
-    for (int64_t panel = panel_begin; panel < panel_end; ++panel)
-      multiply_panel(x + row * k, std::min(block, m - row), k, packed, n, panel, bias, y + row * n);
+void multiply_item(const PanelWork& work, int64_t item, const In* x, int64_t k, const T* packed, int64_t n,
+                   int64_t count, const float* bias, T* y) {
+  const int64_t row = item / work.runs * work.block, rows = std::min(work.block, work.m - row);
+  const int64_t first = item % work.runs * work.run, last = std::min(count, first + work.run);
+  for (int64_t panel = first; panel < last; ++panel)
+    multiply_panel(x + row * k, rows, k, packed, n, panel, bias, y + row * n);
 }
 
 #endif
