@@ -87,14 +87,26 @@ def set_threads(num_threads: int | None) -> int:
     return threads
 
 
-def cpu_model() -> str:
+def _cpuinfo_field(name: str) -> str | None:
+    """The first processor's ``name`` field in ``/proc/cpuinfo``, or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The model name, with family/model/stepping: a VM may only say "AMD EPYC", and the
+    numbers tell Milan (family 25 model 1) from Genoa (family 25 model 17)."""
+    name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    ids = [_cpuinfo_field(field) for field in ("cpu family", "model", "stepping")]
+    if all(ids):
+        name += f" (family {ids[0]} model {ids[1]} stepping {ids[2]})"
+    return name
 
 
 def cpu_flags() -> list[str]:
