@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,12 @@ def set_threads(num_threads: int | None) -> int:
     threads = num_threads or available_cores()
     torch.set_num_threads(threads)
     return threads
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (``kill``, ``timeout``) unwind like Ctrl-C, so that every server and peer
+    process a benchmark started is stopped by its ``finally`` instead of left spinning."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _cpuinfo_field(name: str) -> str | None:

@@ -58,6 +58,7 @@ from common import (
     ALLOWED_CPUS,
     DEFAULT_ROUNDS,
     environment_info,
+    exit_on_sigterm,
     measure_matmul_peak,
     median_index,
     new_figure,
@@ -646,6 +647,7 @@ def main() -> None:
 
     from tessera.models.registry import resolve_model
 
+    exit_on_sigterm()
     threads = set_threads(args.threads)
     folder = resolve_model(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -24,7 +27,10 @@ def free_port() -> int:
 def running_server(command: list[str], env: dict[str, str], base_url: str) -> Iterator[None]:
     """``command`` serving at ``base_url`` until the block ends; its log tail in the error if it never comes up."""
     with tempfile.TemporaryFile() as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Its own process group: the engine processes it spawns are stopped with it.
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
             while True:
@@ -41,9 +47,15 @@ def running_server(command: list[str], env: dict[str, str], base_url: str) -> It
                 time.sleep(0.5)
             yield
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop_group(server)
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the process's group, SIGKILL to it if the leader has not exited within a minute."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # stragglers of a leader that exited are killed too
+    process.wait()

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import environment_info, new_figure, save_figure, set_threads, write_json
+from common import environment_info, exit_on_sigterm, new_figure, save_figure, set_threads, write_json
 from offline_throughput import MODEL, Request, build_workload
 from servers import free_port, running_server
 
@@ -124,6 +124,7 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="16 requests: a smoke run")
     args = parser.parse_args()
+    exit_on_sigterm()
     threads = set_threads(args.threads)
     from transformers import AutoTokenizer
 

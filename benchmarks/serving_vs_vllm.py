@@ -40,6 +40,7 @@ from typing import Any
 from common import (
     DEFAULT_ROUNDS,
     environment_info,
+    exit_on_sigterm,
     median_index,
     new_figure,
     order_note,
@@ -169,6 +170,7 @@ def main() -> None:
     rounds = args.rounds if args.rounds is not None else 2 if args.quick else DEFAULT_ROUNDS
     if rounds < 1:
         parser.error("--rounds must be at least 1")
+    exit_on_sigterm()
     threads = set_threads(args.threads)
     from transformers import AutoTokenizer
 
