@@ -180,55 +180,74 @@ inline ivec lane_indices() {
   return lane;
 }
 
-// Halves a and b into one vector at tree level s: lanes of a's pairs of s-runs, then b's.
-inline fvec fold(fvec a, fvec b, int s) {
+// The shuffles below take their level (S, kWidth) as a template argument, so each mask is a
+// constant and compiles to a shuffle instruction or two. With the level a loop variable, GCC
+// built the masks at run time (an integer division per lane for fold): on an EPYC Milan that was
+// most of a decode's attention time. Inlined always, since a call would store the vectors.
+
+// Halves a and b into one vector at tree level S: lanes of a's pairs of S-runs, then b's.
+template <int S>
+[[gnu::always_inline]] inline fvec fold(fvec a, fvec b) {
   ivec lo;
-  for (int l = 0; l < kLanes; ++l) lo[l] = 2 * s * (l / s) + l % s;
-  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + s);
+#pragma GCC unroll 16
+  for (int l = 0; l < kLanes; ++l) lo[l] = 2 * S * (l / S) + l % S;
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + S);
+}
+
+template <int S>
+[[gnu::always_inline]] inline void fold_level(fvec* p) {
+#pragma GCC unroll 16
+  for (int i = 0; i < S; ++i) p[i] = fold<S>(p[2 * i], p[2 * i + 1]);
+  if constexpr (S > 1) fold_level<S / 2>(p);
 }
 
 // Lane j of the result = the sum of p[j]'s lanes (p holds kLanes vectors, and is clobbered).
-inline fvec transpose_sum(fvec* p) {
-  for (int s = kLanes / 2; s >= 1; s /= 2)
-    for (int i = 0; i < s; ++i) p[i] = fold(p[2 * i], p[2 * i + 1], s);
+[[gnu::always_inline]] inline fvec transpose_sum(fvec* p) {
+  fold_level<kLanes / 2>(p);
   return p[0];
 }
 
-inline fvec swap_lanes(fvec v, int width) {
+template <int kWidth>
+[[gnu::always_inline]] inline fvec swap_lanes(fvec v) {
   ivec mask;
-  for (int i = 0; i < kLanes; ++i) mask[i] = i ^ width;
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) mask[i] = i ^ kWidth;
   return __builtin_shuffle(v, mask);
 }
 
-inline float hmax(fvec v) {
-  for (int width = kLanes / 2; width >= 1; width /= 2) {
-    const fvec other = swap_lanes(v, width);
-    v = v > other ? v : other;
-  }
+template <int kWidth = kLanes / 2>
+[[gnu::always_inline]] inline float hmax(fvec v) {
+  const fvec other = swap_lanes<kWidth>(v);
+  v = v > other ? v : other;
+  if constexpr (kWidth > 1) return hmax<kWidth / 2>(v);
   return v[0];
 }
 
-inline float hsum(fvec v) {
-  for (int width = kLanes / 2; width >= 1; width /= 2) v += swap_lanes(v, width);
+template <int kWidth = kLanes / 2>
+[[gnu::always_inline]] inline float hsum(fvec v) {
+  v += swap_lanes<kWidth>(v);
+  if constexpr (kWidth > 1) return hsum<kWidth / 2>(v);
   return v[0];
 }
 
 // In place, m[r][l] becomes m[l][r] (kLanes vectors): rounds that swap ever smaller
 // off-diagonal blocks.
-inline void transpose_lanes(fvec* m) {
-  for (int s = kLanes / 2; s >= 1; s /= 2) {
-    ivec lo, hi;
-    for (int l = 0; l < kLanes; ++l) {
-      lo[l] = (l & s) == 0 ? l : kLanes + l - s;
-      hi[l] = (l & s) == 0 ? l + s : kLanes + l;
-    }
-    for (int i = 0; i < kLanes; ++i) {
-      if (i & s) continue;
-      const fvec a = m[i], b = m[i + s];
-      m[i] = __builtin_shuffle(a, b, lo);
-      m[i + s] = __builtin_shuffle(a, b, hi);
-    }
+template <int S = kLanes / 2>
+[[gnu::always_inline]] inline void transpose_lanes(fvec* m) {
+  ivec lo, hi;
+#pragma GCC unroll 16
+  for (int l = 0; l < kLanes; ++l) {
+    lo[l] = (l & S) == 0 ? l : kLanes + l - S;
+    hi[l] = (l & S) == 0 ? l + S : kLanes + l;
   }
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) {
+    if (i & S) continue;
+    const fvec a = m[i], b = m[i + S];
+    m[i] = __builtin_shuffle(a, b, lo);
+    m[i + S] = __builtin_shuffle(a, b, hi);
+  }
+  if constexpr (S > 1) transpose_lanes<S / 2>(m);
 }
 
 // exp_approx on a vector.
@@ -279,6 +298,14 @@ struct KvPrefetcher {
     offset = end;
   }
 };
+
+// Vectors of the head dim (a power of two dividing kV) whose accumulators for R rows fit in
+// three quarters of the vector registers.
+constexpr int64_t pv_slice_vectors(int R, int64_t kV) {
+  int64_t slice = kV;
+  while (slice > 1 && R * slice > kVectorRegisters * 3 / 4) slice /= 2;
+  return slice;
+}
 
 // Online-softmax update of R query rows that share a KV head (so they share the keys and
 // values: each key and value vector is loaded once for all R) with keys [j0[r], j1[r]) of a
@@ -338,20 +365,24 @@ inline void attend_rows_chunk(const float* query, const T* keys, const T* values
     row_sum[idx[r]] = row_sum[idx[r]] * correction[r] + hsum(p[r]);
   }
 
-  fvec out[R][kV];
-  for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < kV; ++i) out[r][i] = loadv(acc + idx[r] * kD + kLanes * i) * correction[r];
-  for (int64_t j = lo; j < hi; ++j) {
-    prefetcher.step();
-    fvec v[kV];
-    for (int64_t i = 0; i < kV; ++i) v[i] = loadv_as_float(values + j * stride + kLanes * i);
-    for (int r = 0; r < R; ++r) {
-      const float pj = p[r][j];  // 0 outside the row's own range
-      for (int64_t i = 0; i < kV; ++i) out[r][i] += pj * v[i];
+  // The rows' accumulators for a slice of the head dim at a time, as many vectors as fit in
+  // registers beside a value vector and the probabilities (AVX2: 3 rows x 64 dims would spill
+  // every accumulator at every key); each slice passes over the chunk's keys.
+  constexpr int64_t kSlice = pv_slice_vectors(R, kV);
+  for (int64_t s0 = 0; s0 < kV; s0 += kSlice) {
+    fvec out[R][kSlice];
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < kSlice; ++i) out[r][i] = loadv(acc + idx[r] * kD + kLanes * (s0 + i)) * correction[r];
+    for (int64_t j = lo; j < hi; ++j) {
+      if (s0 == 0) prefetcher.step();
+      for (int64_t i = 0; i < kSlice; ++i) {
+        const fvec v = loadv_as_float(values + j * stride + kLanes * (s0 + i));
+        for (int r = 0; r < R; ++r) out[r][i] += p[r][j] * v;  // p is 0 outside the row's own range
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < kSlice; ++i) storev(acc + idx[r] * kD + kLanes * (s0 + i), out[r][i]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int64_t i = 0; i < kV; ++i) storev(acc + idx[r] * kD + kLanes * i, out[r][i]);
   shared_prefetcher.offset = prefetcher.offset;
 }
 
