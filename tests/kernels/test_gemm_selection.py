@@ -217,3 +217,23 @@ def test_a_verdict_measured_beside_busy_processes_is_used_but_not_recorded(tmp_p
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["contention_cpus"] > CONTENTION_LIMIT_CPUS
     assert report["recorded"] == []  # measured, used for this load, and forgotten
+
+
+def test_an_unrecorded_verdict_serves_every_layer_of_its_shape_in_this_process(
+    selection_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A contended verdict is measured once per process and shape, not once per layer."""
+    monkeypatch.setattr(gemm_selection, "CONTENTION_LIMIT_CPUS", -1.0)  # every measurement contended
+    monkeypatch.setattr(gemm_selection, "_unrecorded_verdicts", {})
+    measured: list[tuple[int, ...]] = []
+    real_measure = gemm_selection.measure
+
+    def counting_measure(weight: torch.Tensor, rows: tuple[int, ...]):  # type: ignore[no-untyped-def]
+        measured.append(tuple(weight.shape))
+        return real_measure(weight, rows)
+
+    monkeypatch.setattr(gemm_selection, "measure", counting_measure)
+    layers = [pack_weight(torch.randn(64, 48)) for _ in range(3)] + [pack_weight(torch.randn(32, 48))]
+    assert measured == [(64, 48), (32, 48)]
+    assert len({layer.backend for layer in layers[:3] if layer is not None}) == 1
+    assert not selection_file.exists()  # used by this process, recorded nowhere

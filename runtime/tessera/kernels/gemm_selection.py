@@ -15,7 +15,8 @@ A verdict is recorded only when nothing else wanted the CPUs while it was measur
 processes' CPU time (and the hypervisor's steal) beyond the cores this process leaves free
 biases the timings, as OpenMP's threads suffer more from a preempted peer than a less parallel
 GEMM does, and a verdict recorded once is reused for as long as the build lasts. A contended
-verdict serves the load that measured it; the next load measures again.
+verdict serves the process that measured it (every layer of that shape, so a model's 30 layers
+cost one measurement per shape, not 30); the next process measures again.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ _MIN_ROUNDS, _TIME_BUDGET_S = 5, 0.03
 # CPUs' worth of other work during a measurement beyond which its verdict is not recorded.
 CONTENTION_LIMIT_CPUS = 0.3
 _PROC_STAT = Path("/proc/stat")
+# selection key -> backend of the verdicts this process measured but did not record. Before, each
+# layer measured its shape again: rank pods starting together on a busy node never record, and
+# spent 70 s of a 75 s model load re-measuring (2 groups of 2 SmolLM2 stages on 2 cores).
+_unrecorded_verdicts: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -194,8 +199,11 @@ def select_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> 
     recorded = recorded_selections().get(key)
     if isinstance(recorded, dict) and recorded.get("backend") in supported:
         return BACKENDS[recorded["backend"]].pack(weight)
+    if key in _unrecorded_verdicts:
+        return BACKENDS[_unrecorded_verdicts[key]].pack(weight)
     selection, packed = measure(weight, rows)
     if selection.contended:
+        _unrecorded_verdicts[key] = selection.backend
         logger.info(
             "GEMM %s: %s (scores %s), not recorded: other processes used %.2f CPUs meanwhile",
             key,
