@@ -12,10 +12,12 @@ from tessera.kernels import gemm_selection
 
 @pytest.fixture(autouse=True)
 def selection_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test starts with no recorded verdicts and no forced backend, and records its verdicts
-    whatever else the machine runs meanwhile (the contention test runs its own process)."""
+    """Each test starts with no recorded verdicts (in the file or kept unrecorded by this process)
+    and no forced backend, and records its verdicts whatever else the machine runs meanwhile (the
+    contention test runs its own process)."""
     path = tmp_path / gemm_selection.SELECTION_FILE
     monkeypatch.setattr(gemm_selection, "selection_path", lambda: path)
+    monkeypatch.setattr(gemm_selection, "_unrecorded_verdicts", {})
     monkeypatch.setattr(gemm_selection, "CONTENTION_LIMIT_CPUS", math.inf)
     monkeypatch.delenv(gemm_selection.FORCE_VARIABLE, raising=False)
     return path

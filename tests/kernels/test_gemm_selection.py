@@ -224,7 +224,6 @@ def test_an_unrecorded_verdict_serves_every_layer_of_its_shape_in_this_process(
 ) -> None:
     """A contended verdict is measured once per process and shape, not once per layer."""
     monkeypatch.setattr(gemm_selection, "CONTENTION_LIMIT_CPUS", -1.0)  # every measurement contended
-    monkeypatch.setattr(gemm_selection, "_unrecorded_verdicts", {})
     measured: list[tuple[int, ...]] = []
     real_measure = gemm_selection.measure
 
