@@ -15,7 +15,8 @@ engine would let one burst decide the ratio. Per dtype, Tessera's ``LLM`` and vL
 each started and warmed up once, then the timed workload runs ``--rounds`` times (default 4:
 even, so each goes first equally often), the engines taking turns: round 0 Tessera then vLLM,
 round 1 vLLM then Tessera, and so on, so a slow drift of the load hits both; each engine is idle
-while the other runs, and both are shut down before the next dtype. Tessera / vLLM is the median
+while the other runs (vLLM's processes stopped outright: ``common.group_stopped``), and both
+are shut down before the next dtype. Tessera / vLLM is the median
 of the per-round ratios (with its min, max, and the median of the rounds each engine went
 first); each engine's reported run is its median round by output tok/s (of an even count, the
 slower middle one). Every round's output lengths are checked; the outputs are compared
@@ -59,6 +60,7 @@ from common import (
     DEFAULT_ROUNDS,
     environment_info,
     exit_on_sigterm,
+    group_stopped,
     measure_matmul_peak,
     median_index,
     new_figure,
@@ -459,6 +461,11 @@ class VllmRunner:
             raise
         return self
 
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """The runner and its engine processes stopped for the block (``group_stopped``)."""
+        process = self._process
+        return group_stopped(process.pid if process is not None and process.poll() is None else None)
+
     def run(self) -> Run:
         assert self._process is not None and self._process.stdin is not None
         try:
@@ -695,22 +702,24 @@ def main() -> None:
         print(f"{dtype}: {rounds} rounds", flush=True)
         with contextlib.ExitStack() as stack:  # both engines shut down before the next dtype starts
             engines: dict[str, Callable[[], Run]] = {}
+            vllm_runner: VllmRunner | None = None
             if not args.skip_tessera:
                 tessera_runner = TesseraRunner(requests, threads, engine_args, flop_model, dtype)
                 engines["tessera"] = stack.enter_context(tessera_runner).run
             if peer.available:
                 vllm_info[dtype] = {"dtype": dtype}
                 try:
-                    runner = stack.enter_context(
+                    vllm_runner = stack.enter_context(
                         VllmRunner(peer, folder, requests, threads, flop_model, dtype)
                     )
                 except VllmRunnerError as error:
                     vllm_failed(dtype, error)
                 else:
                     vllm_info[dtype].update(
-                        vllm_version=runner.ready.get("vllm_version"), startup_s=runner.ready.get("startup_s")
+                        vllm_version=vllm_runner.ready.get("vllm_version"),
+                        startup_s=vllm_runner.ready.get("startup_s"),
                     )
-                    engines["vllm"] = runner.run
+                    engines["vllm"] = vllm_runner.run
             runs: dict[str, list[Run | None]] = {engine: [None] * rounds for engine in engines}
             orders[dtype] = []
             for index in range(rounds):
@@ -719,7 +728,9 @@ def main() -> None:
                 orders[dtype].append([ENGINE_LABELS[engine] for engine in order])
                 for engine in order:
                     try:
-                        runs[engine][index] = run = engines[engine]()
+                        idle_peer = vllm_runner if engine != "vllm" and "vllm" in engines else None
+                        with idle_peer.paused() if idle_peer is not None else contextlib.nullcontext():
+                            runs[engine][index] = run = engines[engine]()
                     except VllmRunnerError as error:
                         vllm_failed(dtype, error)
                         del engines[engine]
@@ -838,6 +849,7 @@ def main() -> None:
         "vllm_cpu": {
             **peer.summary(),
             "environment_added": peer_tuning(threads, peer),
+            "stopped_while_tessera_runs": True,  # VllmRunner.paused
             "runs": {
                 dtype: {**vllm_info[dtype], **engine_report["vllm"].get(dtype, {})}
                 for dtype in args.dtypes

@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(command: list[str], env: dict[str, str], base_url: str) -> Iterator[None]:
-    """``command`` serving at ``base_url`` until the block ends; its log tail in the error if it never comes up."""
+def running_server(command: list[str], env: dict[str, str], base_url: str) -> Iterator[int]:
+    """``command`` serving at ``base_url`` until the block ends, as the block's value its process
+    group; its log tail in the error if it never comes up."""
     with tempfile.TemporaryFile() as log:
         # Its own process group: the engine processes it spawns are stopped with it.
         server = subprocess.Popen(
@@ -45,7 +46,7 @@ def running_server(command: list[str], env: dict[str, str], base_url: str) -> It
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.5)
-            yield
+            yield server.pid
         finally:
             stop_group(server)
 

