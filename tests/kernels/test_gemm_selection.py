@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from tessera.kernels import gemm_selection
-from tessera.kernels.gemm import BACKENDS, AtenWeight, candidates
+from tessera.kernels.gemm import BACKENDS, AtenWeight, candidates, pack_gated_panels
+from tessera.models.layers.activation import silu_and_mul
 from tessera.models.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SiluGatedLinear,
     pack_weight,
     process_weights_after_loading,
 )
@@ -82,6 +84,64 @@ def test_panel_gemm_covers_short_panels_partial_tiles_and_strided_inputs(dtype: 
                 # A row's sums do not depend on the rows beside it or the tile it falls in:
                 # batching never changes a token.
                 assert torch.equal(got[-1:], packed.matmul(x[-1:], with_bias))
+
+
+def swiglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) in fp32 for a gate_up weight [2W, K]."""
+    gate, up = weight.float().chunk(2)
+    return F.silu(F.linear(x.float(), gate)) * F.linear(x.float(), up)
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=[str(d)[6:] for d in PANEL_DTYPES])
+def test_gated_panels_give_the_unfused_swiglu_bit_for_bit(dtype: torch.dtype) -> None:
+    """The activation in the GEMM's epilogue: widths around the gated panels' 24 (AVX-512) or 8
+    (AVX2) outputs, so the last panel is short by 1 or most of its columns; row counts around
+    the tiles. The result equals plain panels followed by the activation pass exactly (the
+    factors are rounded to the dtype first, as that pass reads them), and the fp32 reference
+    within tolerance."""
+    generator = torch.Generator().manual_seed(0)
+    plain = BACKENDS["panels"]
+    for width in (1, 7, 8, 9, 23, 24, 25, 40, 100):
+        for in_features in (6, 64):
+            weight = (torch.randn(2 * width, in_features, generator=generator) * 2).to(dtype)
+            gated, unfused = pack_gated_panels(weight), plain.pack(weight)
+            for rows in (1, 5, 8, 9, 17, 65, 300):
+                x = torch.randn(rows, in_features, generator=generator).to(dtype)
+                got = gated.silu_and_mul(x)
+                assert got.dtype == dtype and got.shape == (rows, width)
+                assert torch.equal(got, silu_and_mul(unfused.matmul(x, None)))
+                torch.testing.assert_close(
+                    got.float(),
+                    swiglu_reference(x, weight),
+                    atol=TOLERANCE[dtype] * 10,
+                    rtol=TOLERANCE[dtype],
+                )
+                assert torch.equal(got[-1:], gated.silu_and_mul(x[-1:]))
+
+
+@pytest.mark.parametrize(("backend", "dtype"), CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+def test_silu_gated_layer_matches_aten_on_every_backend(
+    backend: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SwiGLU's gate_up layer, a tensor-parallel shard of it, on each backend: the panels take
+    the activation into their epilogue (without a bias), every other backend runs it after."""
+    monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, backend)
+    x = torch.randn(9, 64).to(dtype)
+    for bias in (False, True):
+        layer = SiluGatedLinear(64, 40, bias=bias, params_dtype=dtype, tp_rank=1, tp_size=2)
+        for param in layer.parameters():
+            param.data.normal_()
+        gate_up = F.linear(
+            x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float()
+        )
+        expected = silu_and_mul(gate_up)
+        process_weights_after_loading(layer)
+        fused = backend == "panels" and not bias
+        assert (layer.gated_weight is not None) == fused
+        assert (layer.packed_weight is None) == fused
+        got = layer(x)
+        assert got.shape == (9, 20)
+        torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype])
 
 
 def test_panel_gemm_leaves_odd_bf16_widths_to_other_backends() -> None:

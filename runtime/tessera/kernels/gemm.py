@@ -79,6 +79,24 @@ class PanelPackedWeight(NativePackedWeight):
     pack_function, linear_function = "panel_pack_weight", "panel_linear"
 
 
+class GatedPanelWeight:
+    """SwiGLU's gate_up weight (``[2W, K]``, gate rows over up rows) in gated panels: each register
+    tile holds the gate and the up sums of the same outputs, and the GEMM's epilogue writes
+    ``silu(x @ gate.T) * (x @ up.T)`` (``csrc/panel_gemm.h``'s ``GatedRows``), so the ``[M, 2W]``
+    projection is never written out and read back. Rounding matches the unfused pass exactly."""
+
+    backend = "panels_silu_mul"
+
+    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
+        self.width = weight.shape[0] // 2
+        self.data = ops.panel_pack_gated_weight(weight.contiguous())
+        self.kernel: Callable[..., torch.Tensor] = ops.panel_linear_silu_mul
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return self.kernel(rows, self.data, self.width).view(*x.shape[:-1], self.width)
+
+
 class OneDnnPackedWeight(PackedWeight):
     """fp32 or bf16 through oneDNN's blocked weight layout (reordered once, as ``to_mkldnn`` does)."""
 
@@ -149,6 +167,15 @@ def _pack_panels(weight: torch.Tensor) -> PackedWeight:
         f"the panel GEMM cannot multiply a {weight.dtype} {tuple(weight.shape)} weight here"
     )
     return PanelPackedWeight(weight, ops)
+
+
+def pack_gated_panels(weight: torch.Tensor) -> GatedPanelWeight:
+    """A SwiGLU gate_up weight in gated panels (where the panel GEMM multiplies it: see ``_panel_ops``)."""
+    ops = _panel_ops(weight)
+    assert ops is not None, (
+        f"the panel GEMM cannot multiply a {weight.dtype} {tuple(weight.shape)} weight here"
+    )
+    return GatedPanelWeight(weight, ops)
 
 
 BACKENDS: dict[str, GemmBackend] = {

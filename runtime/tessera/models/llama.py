@@ -17,10 +17,9 @@ from torch import nn
 from tessera.distributed.communication import padded_rows, tp_all_gather
 from tessera.models.checkpoint import CheckpointTensor, materialize
 from tessera.models.intermediate_tensors import IntermediateTensors
-from tessera.models.layers.activation import SiluAndMul
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
 from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tessera.models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tessera.models.layers.linear import QKVParallelLinear, RowParallelLinear, SiluGatedLinear
 from tessera.models.layers.norm import RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
 from tessera.topology import split_layers
@@ -131,9 +130,9 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (silu is)")
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
+        self.gate_up_proj = SiluGatedLinear(
             config.hidden_size,
-            [inter, inter],
+            inter,
             bias=bias,
             params_dtype=dtype,
             tp_rank=tp_rank,
@@ -149,10 +148,9 @@ class LlamaMLP(nn.Module):
             tp_size=tp_size,
             sequence_parallel=sp,
         )
-        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -176,6 +176,14 @@ void rms_norm_impl(T* xs, T* rs, T* os, const T* w, int64_t rows, int64_t hidden
   });
 }
 
+// silu(g) * u on lanes holding values of T's precision (the gate_up projection's outputs).
+template <typename T>
+inline fvec silu_mul(fvec g, fvec u) {
+  const fvec e = expv(g < -g ? g : -g);  // exp of a non-positive argument only: stable for both signs
+  const fvec sigmoid = (g >= 0.0f ? broadcastv(1.0f) : e) / (1.0f + e);
+  return roundv_to<T>(g * sigmoid) * u;
+}
+
 template <typename T>
 void silu_and_mul_impl(const T* xs, T* os, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
@@ -186,12 +194,8 @@ void silu_and_mul_impl(const T* xs, T* os, int64_t rows, int64_t width) {
       int64_t d = 0;
       if constexpr (std::is_same_v<T, float> || IsBf16<T>::value) {
         // Explicit vectors: whether GCC vectorised the loop below varied with -march's tuning.
-        for (; d + kLanes <= width; d += kLanes) {
-          const fvec g = loadv_as_float(gate + d);
-          const fvec e = expv(g < -g ? g : -g);
-          const fvec sigmoid = (g >= 0.0f ? broadcastv(1.0f) : e) / (1.0f + e);
-          storev_as(o + d, roundv_to<T>(g * sigmoid) * loadv_as_float(up + d));
-        }
+        for (; d + kLanes <= width; d += kLanes)
+          storev_as(o + d, silu_mul<T>(loadv_as_float(gate + d), loadv_as_float(up + d)));
       }
       for (; d < width; ++d) {
         const float g = to_float(gate[d]);
@@ -419,12 +423,15 @@ void with_panel_type(const torch::Tensor& t, Fn&& fn) {
 
 }  // namespace
 
-// weight [N, K] (fp32, or bf16 with K even) -> its panels, [ceil(N / C), K * C] of the same dtype
-// (C = panels::kCols: 48 on AVX-512, 16 on AVX2).
-torch::Tensor panel_pack_weight(torch::Tensor weight) {
+namespace {
+
+// The panels of weight [rows, K] (fp32, or bf16 with K even): [count, K * C] of its dtype
+// (C = panels::kCols: 48 on AVX-512, 16 on AVX2), column c of panel p multiplying row row_of(p, c).
+template <typename RowOf>
+torch::Tensor pack_panels(const torch::Tensor& weight, int64_t count, const RowOf& row_of) {
   check_panel_dtype(weight, "weight");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight must be a contiguous [N, K] tensor");
-  const int64_t n = weight.size(0), k = weight.size(1), count = panels::panel_count(n);
+  const int64_t k = weight.size(1);
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 || k % 2 == 0, "a bf16 weight needs an even K, got ", k);
   torch::Tensor packed = torch::empty({count, k * panels::kCols}, weight.options());
   with_panel_type(weight, [&](auto* tag) {
@@ -433,20 +440,59 @@ torch::Tensor panel_pack_weight(torch::Tensor weight) {
     T* out = static_cast<T*>(packed.data_ptr());
     at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
       for (int64_t panel = begin; panel < end; ++panel)
-        panels::pack_panel(source, n, k, panel, out + panel * k * panels::kCols);
+        panels::pack_panel(source, k, panel, row_of, out + panel * k * panels::kCols);
     });
   });
   return packed;
 }
 
-// x [M, K] times a weight packed by panel_pack_weight ([N, K] before), plus bias [N] when non-empty.
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias) {
+#if defined(TESSERA_PANELS_AVX512) || defined(TESSERA_PANELS_AVX2)
+
+// The element type the vector helpers (roundv_to, storev_as) take for the panels' T.
+template <typename T>
+using VectorElement = std::conditional_t<std::is_same_v<T, float>, float, c10::BFloat16>;
+
+// The SwiGLU epilogue of gated panels (panels::GatedRows): a tile row's sums hold the gate and
+// the up projection of the same kCols / 2 output columns; it writes silu(gate) * up there, the
+// factors rounded to T first, as the unfused pass reads them from the projection's output.
+struct SiluMulSums {
+  static constexpr int64_t kOutCols = panels::kCols / 2;
+  template <typename T>
+  void operator()(T* y, const panels::Sums& sum, const panels::ColumnMasks& masks) const {
+    using E = VectorElement<T>;
+#if defined(TESSERA_PANELS_AVX512)
+    // Gate columns 0-23 are sum[0] and the low half of sum[1]; up columns 0-23 are the high
+    // half of sum[1] and sum[2].
+    const __m512i middle = _mm512_castps_si512(sum[1]), last = _mm512_castps_si512(sum[2]);
+    const fvec up_low = reinterpret_cast<fvec>(_mm512_alignr_epi32(last, middle, 8));
+    const fvec up_high = reinterpret_cast<fvec>(_mm512_alignr_epi32(last, last, 8));
+    const fvec low = silu_mul<E>(roundv_to<E>(reinterpret_cast<fvec>(sum[0])), roundv_to<E>(up_low));
+    const fvec high = silu_mul<E>(roundv_to<E>(reinterpret_cast<fvec>(sum[1])), roundv_to<E>(up_high));
+    panels::store(y, reinterpret_cast<__m512>(low), masks.lane[0]);
+    panels::store(y + 16, reinterpret_cast<__m512>(high), static_cast<__mmask16>(masks.lane[1] & 0xFF));
+#else
+    const fvec out = silu_mul<E>(roundv_to<E>(reinterpret_cast<fvec>(sum[0])), roundv_to<E>(reinterpret_cast<fvec>(sum[1])));
+    const int64_t live = std::min(masks.live, kOutCols);
+    E buffer[kOutCols];
+    storev_as(live == kOutCols ? reinterpret_cast<E*>(y) : buffer, out);
+    if (live < kOutCols) std::memcpy(y, buffer, live * sizeof(T));
+#endif
+  }
+};
+
+#endif
+
+// y [M, n] = the epilogue's outputs of x [M, K] times count packed panels, plus bias (plain
+// panels) when non-empty.
+template <typename Epilogue>
+torch::Tensor multiply_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t count,
+                              const torch::Tensor& bias, const Epilogue& epilogue) {
   check_panel_dtype(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] tensor");
   TORCH_CHECK(packed.scalar_type() == x.scalar_type(), "x and the packed weight must share a dtype");
-  const int64_t m = x.size(0), k = x.size(1), count = panels::panel_count(n);
+  const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(packed.dim() == 2 && packed.size(0) == count && packed.size(1) == k * panels::kCols,
-              "the packed weight does not hold ", n, " x ", k);
+              "the packed weight does not hold ", count, " panels of ", k, " inputs");
   torch::Tensor fp32_bias;  // the sums are fp32: a bf16 bias is widened once per call
   if (bias.numel() > 0) {
     TORCH_CHECK(bias.numel() == n, "bias must have ", n, " elements");
@@ -469,11 +515,44 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, tor
       const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), work.items));
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
       for (int64_t item = 0; item < work.items; ++item)
-        panels::multiply_item(work, item, in, k, weights, n, count, bias_data, y);
+        panels::multiply_item(work, item, in, k, weights, n, count, bias_data, y, epilogue);
     }
   });
 #endif
   return out;
+}
+
+int64_t gated_panel_count(int64_t width) { return (width + panels::kCols / 2 - 1) / (panels::kCols / 2); }
+
+}  // namespace
+
+// weight [N, K] (fp32, or bf16 with K even) -> its panels, [ceil(N / C), K * C] of the same dtype
+// (C = panels::kCols: 48 on AVX-512, 16 on AVX2).
+torch::Tensor panel_pack_weight(torch::Tensor weight) {
+  return pack_panels(weight, panels::panel_count(weight.size(0)), panels::PlainRows{weight.size(0)});
+}
+
+// x [M, K] times a weight packed by panel_pack_weight ([N, K] before), plus bias [N] when non-empty.
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias) {
+  return multiply_panels(x, packed, n, panels::panel_count(n), bias, panels::StoreSums{});
+}
+
+// A SwiGLU gate_up weight [2W, K] (gate rows over up rows) -> gated panels (panels::GatedRows),
+// [ceil(W / (C / 2)), K * C].
+torch::Tensor panel_pack_gated_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "a gate_up weight has an even number of rows");
+  const int64_t width = weight.size(0) / 2;
+  return pack_panels(weight, gated_panel_count(width), panels::GatedRows{width});
+}
+
+// silu(x @ gate.T) * (x @ up.T) [M, W] with a weight packed by panel_pack_gated_weight: SwiGLU
+// without writing the [M, 2W] projection out and reading it back.
+torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t width) {
+#if defined(TESSERA_PANELS_AVX512) || defined(TESSERA_PANELS_AVX2)
+  return multiply_panels(x, packed, width, gated_panel_count(width), torch::empty({0}), SiluMulSums{});
+#else
+  TORCH_CHECK(false, "the panel GEMM does not run on this CPU");
+#endif
 }
 
 // Pins thread t of the OpenMP pool (the one torch, MKL and these kernels share; the caller is
@@ -505,6 +584,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_gemm_dtypes", &panel_gemm_dtypes, "the dtypes panel_linear multiplies on this CPU");
   m.def("panel_pack_weight", &panel_pack_weight, "pack an [N, K] weight into column panels", nogil);
   m.def("panel_linear", &panel_linear, "x @ weight.T (+ bias) with a panel-packed weight", nogil);
+  m.def("panel_pack_gated_weight", &panel_pack_gated_weight, "pack a [2W, K] gate_up weight into gated panels", nogil);
+  m.def("panel_linear_silu_mul", &panel_linear_silu_mul, "silu(x @ gate.T) * (x @ up.T) with gated panels", nogil);
   m.def("bind_threads", &bind_threads, "pin OpenMP thread t to cpus[t]");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place", nogil);
   m.def("greedy_argmax", &greedy_argmax, "each row's index of its first maximum (first NaN if any)", nogil);

@@ -67,16 +67,38 @@ constexpr int64_t widened_word(int64_t col) {
   return 8 * (lane / 4) + 4 * vector + lane % 4;
 }
 
-// Panel `panel` of a row-major weight [n][k] (T = float or uint16_t bf16 bits), columns past n
-// zero. fp32: element (col, i) at [i][col]; bf16: at [i / 2][col][i % 2] (pairs, k even) or at
-// [i][widened_word(col)].
-template <typename T>
-void pack_panel(const T* weight, int64_t n, int64_t k, int64_t panel, T* out) {
+// Which weight row each column of a panel multiplies (-1: none, a zero column).
+// Plain: panel p's columns are rows [p * kCols, (p + 1) * kCols) of an [n][k] weight.
+struct PlainRows {
+  int64_t n;
+  int64_t operator()(int64_t panel, int64_t col) const {
+    const int64_t row = panel * kCols + col;
+    return row < n ? row : -1;
+  }
+};
+
+// Gated: a weight [2 * width][k] stacking gate over up (SwiGLU's gate_up projection). Panel p's
+// first half holds gate rows [p * h, (p + 1) * h), its second half the same up rows (h = kCols
+// / 2), so one register tile holds both factors of output columns [p * h, (p + 1) * h).
+struct GatedRows {
+  int64_t width;
+  int64_t operator()(int64_t panel, int64_t col) const {
+    constexpr int64_t h = kCols / 2;
+    const int64_t out = panel * h + col % h;
+    return out >= width ? -1 : col < h ? out : width + out;
+  }
+};
+
+// Panel `panel` of a row-major weight [rows][k] (T = float or uint16_t bf16 bits), its columns'
+// rows given by row_of. fp32: element (col, i) at [i][col]; bf16: at [i / 2][col][i % 2] (pairs,
+// k even) or at [i][widened_word(col)].
+template <typename T, typename RowOf>
+void pack_panel(const T* weight, int64_t k, int64_t panel, const RowOf& row_of, T* out) {
   constexpr bool pairs = sizeof(T) == 2 && kBf16Pairs, widened = sizeof(T) == 2 && !kBf16Pairs;
   for (int64_t col = 0; col < kCols; ++col) {
-    const int64_t row = panel * kCols + col;
+    const int64_t row = row_of(panel, col);
     for (int64_t i = 0; i < k; ++i) {
-      const T value = row < n ? weight[row * k + i] : T(0);
+      const T value = row >= 0 ? weight[row * k + i] : T(0);
       if constexpr (pairs)
         out[(i / 2) * kCols * 2 + col * 2 + i % 2] = value;
       else
@@ -106,10 +128,22 @@ inline void store(uint16_t* y, __m512 sum, __mmask16 mask) {
 }
 #endif
 
-// Rows [0, R) of x times one panel into y (row stride ldy), plus the panel's fp32 bias when given.
-template <int R, typename T>
+using Sums = __m512[3];  // one tile row's sums: the panel's 48 columns
+
+// The plain epilogue: a tile row's sums are its outputs, at the panel's columns.
+struct StoreSums {
+  static constexpr int64_t kOutCols = kCols;
+  template <typename T>
+  void operator()(T* y, const Sums& sum, const ColumnMasks& masks) const {
+    for (int v = 0; v < 3; ++v) store(y + 16 * v, sum[v], masks.lane[v]);
+  }
+};
+
+// Rows [0, R) of x times one panel, each row's sums (plus the panel's fp32 bias when given)
+// written by the epilogue at y + r * ldy.
+template <int R, typename T, typename Epilogue>
 inline void tile(const T* x, int64_t k, const T* panel, const float* bias, const ColumnMasks& masks, T* y,
-                 int64_t ldy, const char* prefetch, int64_t prefetch_lines) {
+                 int64_t ldy, const char* prefetch, int64_t prefetch_lines, const Epilogue& epilogue) {
   __m512 sum[R][3];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = sum[r][2] = _mm512_setzero_ps();
@@ -157,8 +191,7 @@ inline void tile(const T* x, int64_t k, const T* panel, const float* bias, const
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 3; ++v) store(y + r * ldy + 16 * v, sum[r][v], masks.lane[v]);
+  for (int r = 0; r < R; ++r) epilogue(y + r * ldy, sum[r], masks);
 }
 
 #elif defined(TESSERA_PANELS_AVX2)
@@ -190,19 +223,26 @@ inline void store_full(uint16_t* y, const __m256 (&sum)[2]) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute4x64_epi64(words, 0xD8));
 }
 
-template <typename T>
-inline void store(T* y, const __m256 (&sum)[2], const ColumnMasks& masks) {
-  if (masks.live == kCols) return store_full(y, sum);
-  T buffer[kCols];
-  store_full(buffer, sum);
-  std::memcpy(y, buffer, masks.live * sizeof(T));
-}
+using Sums = __m256[2];  // one tile row's sums: the panel's 16 columns
+
+// The plain epilogue: a tile row's sums are its outputs, at the panel's columns.
+struct StoreSums {
+  static constexpr int64_t kOutCols = kCols;
+  template <typename T>
+  void operator()(T* y, const Sums& sum, const ColumnMasks& masks) const {
+    if (masks.live == kCols) return store_full(y, sum);
+    T buffer[kCols];
+    store_full(buffer, sum);
+    std::memcpy(y, buffer, masks.live * sizeof(T));
+  }
+};
 
 // Rows [0, R) of x (fp32, bf16 inputs widened by the caller) times one panel of fp32 or bf16
-// weights into y (row stride ldy), plus the panel's fp32 bias when given.
-template <int R, typename T>
+// weights, each row's sums (plus the panel's fp32 bias when given) written by the epilogue at
+// y + r * ldy.
+template <int R, typename T, typename Epilogue>
 inline void tile(const float* x, int64_t k, const T* panel, const float* bias, const ColumnMasks& masks, T* y,
-                 int64_t ldy, const char* prefetch, int64_t prefetch_lines) {
+                 int64_t ldy, const char* prefetch, int64_t prefetch_lines, const Epilogue& epilogue) {
   __m256 sum[R][2];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
@@ -235,22 +275,30 @@ inline void tile(const float* x, int64_t k, const T* panel, const float* bias, c
     }
   }
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) store(y + r * ldy, sum[r], masks);
+  for (int r = 0; r < R; ++r) epilogue(y + r * ldy, sum[r], masks);
 }
+
+#else
+
+struct StoreSums {  // no kernel on this CPU: the shape only
+  static constexpr int64_t kOutCols = kCols;
+};
 
 #endif
 
 #if defined(TESSERA_PANELS_AVX512) || defined(TESSERA_PANELS_AVX2)
 
-// All m rows of x [m][k] times panel `panel` into its columns of y [m][n]; bias is the whole
-// fp32 bias [n], or null. In is T, or float where bf16 inputs are widened (kWidenBf16Inputs).
-template <typename In, typename T>
+// All m rows of x [m][k] times panel `panel`, into its Epilogue::kOutCols columns of y [m][n];
+// bias is the whole fp32 bias [n] (plain panels only), or null. In is T, or float where bf16
+// inputs are widened (kWidenBf16Inputs).
+template <typename In, typename T, typename Epilogue>
 void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t n, int64_t panel,
-                    const float* bias, T* y, bool prefetch_next) {
+                    const float* bias, T* y, bool prefetch_next, const Epilogue& epilogue) {
+  constexpr int64_t out_cols = Epilogue::kOutCols;
   const T* weights = packed + panel * k * kCols;
-  const ColumnMasks masks(n - panel * kCols);
+  const ColumnMasks masks(n - panel * out_cols);
   const float* panel_bias = bias == nullptr ? nullptr : bias + panel * kCols;
-  T* out = y + panel * kCols;
+  T* out = y + panel * out_cols;
   // The next panel is requested into L2 while this one's row tiles run (a share of its lines
   // per tile, one line per k step), so the next panel's first tile does not wait on DRAM: the
   // hardware prefetcher alone kept it waiting at decode's 64 rows. On a 2-core EPYC Turin VM,
@@ -273,7 +321,7 @@ void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t 
     switch (std::min(kTileRows, m - row)) {
 #define TESSERA_TILE(R) \
   case R:               \
-    tile<R>(in, k, weights, panel_bias, masks, tile_out, n, prefetch, prefetch_lines); \
+    tile<R>(in, k, weights, panel_bias, masks, tile_out, n, prefetch, prefetch_lines, epilogue); \
     break;
       TESSERA_TILE(1)
       TESSERA_TILE(2)
@@ -316,13 +364,13 @@ struct PanelWork {
 };
 
 // Item `item` of `work`: its rows of x [m][k] times its panels into their columns of y [m][n].
-template <typename In, typename T>
+template <typename In, typename T, typename Epilogue>
 void multiply_item(const PanelWork& work, int64_t item, const In* x, int64_t k, const T* packed, int64_t n,
-                   int64_t count, const float* bias, T* y) {
+                   int64_t count, const float* bias, T* y, const Epilogue& epilogue) {
   const int64_t row = item / work.runs * work.block, rows = std::min(work.block, work.m - row);
   const int64_t first = item % work.runs * work.run, last = std::min(count, first + work.run);
   for (int64_t panel = first; panel < last; ++panel)
-    multiply_panel(x + row * k, rows, k, packed, n, panel, bias, y + row * n, panel + 1 < count);
+    multiply_panel(x + row * k, rows, k, packed, n, panel, bias, y + row * n, panel + 1 < count, epilogue);
 }
 
 #endif

@@ -23,9 +23,16 @@ from tessera.distributed.communication import (
     tp_all_reduce,
     tp_reduce_scatter,
 )
-from tessera.kernels.gemm import AtenWeight, PackedWeight
+from tessera.kernels.gemm import (
+    AtenWeight,
+    GatedPanelWeight,
+    PackedWeight,
+    PanelPackedWeight,
+    pack_gated_panels,
+)
 from tessera.kernels.gemm_selection import LAYER_ROWS, LM_HEAD_ROWS, select_backend
 from tessera.models.checkpoint import CheckpointTensor, materialize
+from tessera.models.layers.activation import silu_and_mul
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -68,6 +75,19 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.weight, self.packed_weight, bias)
+
+    def pack_weights(self) -> None:
+        """The weight in its fastest GEMM form here (see ``pack_weight``)."""
+        self.use_packed(pack_weight(self.weight.data))
+
+    def use_packed(self, packed: PackedWeight | None) -> None:
+        """Multiply through ``packed`` from now on; the dense copy goes when a packed one replaces it."""
+        self.packed_weight = packed
+        if packed is not None and not isinstance(packed, AtenWeight):
+            self.release_dense_weight()
+
+    def release_dense_weight(self) -> None:
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
 
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor | CheckpointTensor) -> None:
@@ -174,6 +194,54 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         _copy_checked(param.data.narrow(0, offset, shard), loaded.narrow(0, self.tp_rank * shard, shard))
+
+
+class SiluGatedLinear(MergedColumnParallelLinear):
+    """SwiGLU's gate and up projections with the activation applied: ``silu(x @ gate.T) * (x @ up.T)``.
+
+    Where the panel GEMM is this weight's fastest backend (and there is no bias), the activation
+    runs in the GEMM's epilogue (``GatedPanelWeight``): the ``[tokens, 2 * intermediate]``
+    projection is never written out and read back. On a 2-core EPYC Turin this made the fp32
+    gate_up + activation of a 2048-token prefill chunk 17% faster (30 layers: 511 -> 436 ms), 5% at
+    512 tokens, level at decode sizes; bf16 2% at 2048 tokens.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__(
+            input_size,
+            [intermediate_size, intermediate_size],
+            bias=bias,
+            params_dtype=params_dtype,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            sequence_parallel=sequence_parallel,
+        )
+        self.gated_weight: GatedPanelWeight | None = None
+
+    def pack_weights(self) -> None:
+        packed = pack_weight(self.weight.data)
+        if isinstance(packed, PanelPackedWeight) and self.bias is None:
+            # The gated panels replace the plain ones: this layer only ever multiplies for SwiGLU.
+            self.gated_weight = pack_gated_panels(self.weight.data)
+            self.release_dense_weight()
+        else:
+            self.use_packed(packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gather_input:
+            x = tp_all_gather(x, dim=0)
+        if self.gated_weight is not None:
+            return self.gated_weight.silu_and_mul(x)
+        return silu_and_mul(self.matmul(x, self.bias))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -295,8 +363,6 @@ def process_weights_after_loading(model: nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, LinearBase):
-            module.packed_weight = pack_weight(module.weight.data)
-            if module.packed_weight is not None and not isinstance(module.packed_weight, AtenWeight):
-                module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+            module.pack_weights()
         elif isinstance(module, ParallelLMHead):
             module.packed_weight = pack_weight(module.weight.data, LM_HEAD_ROWS)
