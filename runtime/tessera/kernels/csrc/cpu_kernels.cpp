@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -513,9 +514,20 @@ torch::Tensor multiply_panels(const torch::Tensor& x, const torch::Tensor& packe
       T* y = static_cast<T*>(out.data_ptr());
       const panels::PanelWork work(m, k, count, sizeof(In), at::get_num_threads());
       const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), work.items));
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-      for (int64_t item = 0; item < work.items; ++item)
-        panels::multiply_item(work, item, in, k, weights, n, count, bias_data, y, epilogue);
+      // Items are taken dynamically (see PanelWork), each thread claiming its next item as it
+      // starts one, so that the item's last panel can prefetch the next one's first: with a
+      // shared loop counter, the next panel in memory is usually the other thread's.
+      std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+      {
+        int64_t item = claimed.fetch_add(1, std::memory_order_relaxed);
+        while (item < work.items) {
+          const int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
+          panels::multiply_item(work, item, next < work.items ? next : -1, in, k, weights, n, count, bias_data,
+                                y, epilogue);
+          item = next;
+        }
+      }
     }
   });
 #endif
