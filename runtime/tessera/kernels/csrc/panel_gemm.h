@@ -300,9 +300,9 @@ void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t 
   const float* panel_bias = bias == nullptr ? nullptr : bias + panel * kCols;
   T* out = y + panel * out_cols;
   // The next panel this thread multiplies (next_panel, null for none) is requested into L2
-  // while this one's row tiles run (a share of its lines
-  // per tile, one line per k step), so the next panel's first tile does not wait on DRAM: the
-  // hardware prefetcher alone kept it waiting at decode's 64 rows. On a 2-core EPYC Turin VM,
+  // while this one's row tiles run (a share of its lines per tile, one line per k step), so the
+  // next panel's first tile does not wait on DRAM: the hardware prefetcher alone kept it
+  // waiting at decode's 64 rows. On a 2-core EPYC Turin VM,
   // fp32 at 64 rows ran 8-11% faster for the MLP shapes (3072x576, 576x1536) and level for the
   // attention ones, level at 512-2048 rows; the offline workload 5% faster in fp32 (10.6 -> 10.1
   // s) and 3% in bf16.
