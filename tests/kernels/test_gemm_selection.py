@@ -86,6 +86,27 @@ def test_panel_gemm_covers_short_panels_partial_tiles_and_strided_inputs(dtype: 
                 assert torch.equal(got[-1:], packed.matmul(x[-1:], with_bias))
 
 
+@pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=[str(d)[6:] for d in PANEL_DTYPES])
+def test_panel_outputs_4k_apart_may_come_back_with_padded_rows(dtype: torch.dtype) -> None:
+    """Where the caller allows it (the LM head), outputs whose rows would be a multiple of 4 KB
+    apart come back as a view with padded rows: the same values, and the sampler reads them."""
+    from tessera.worker.sampler import greedy
+
+    generator = torch.Generator().manual_seed(0)
+    width = 4096 // torch.empty((), dtype=dtype).element_size()
+    for out_features, padded in ((width, True), (2 * width, True), (width + 48, False)):
+        weight = torch.randn(out_features, 64, generator=generator).to(dtype)
+        packed = BACKENDS["panels"].pack(weight)
+        for rows in (1, 9, 64):
+            x = torch.randn(rows, 64, generator=generator).to(dtype)
+            dense = packed.matmul(x, None)
+            got = packed.matmul(x, None, may_pad_rows=True)
+            assert dense.is_contiguous() and got.shape == dense.shape
+            assert (got.stride(0) > out_features) == (padded and rows > 1)
+            assert torch.equal(got, dense)
+            assert torch.equal(greedy(got), greedy(dense))
+
+
 def swiglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) in fp32 for a gate_up weight [2W, K]."""
     gate, up = weight.float().chunk(2)

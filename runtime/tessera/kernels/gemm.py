@@ -28,8 +28,9 @@ class PackedWeight(ABC):
     backend: str
 
     @abstractmethod
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T (+ bias)``."""
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
+        """``x @ weight.T (+ bias)``. With ``may_pad_rows`` the caller accepts a result whose rows
+        lie further apart than their width (a view); backends that gain nothing by it ignore it."""
 
 
 class AtenWeight(PackedWeight):
@@ -40,7 +41,7 @@ class AtenWeight(PackedWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         self.data = weight
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
         return F.linear(x, self.data, bias)
 
 
@@ -56,10 +57,15 @@ class NativePackedWeight(PackedWeight):
         self.data = getattr(ops, self.pack_function)(weight.contiguous())
         self.kernel: Callable[..., torch.Tensor] = getattr(ops, self.linear_function)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = self.kernel(rows, self.data, self.out_features, _NO_BIAS if bias is None else bias)
+        bias = _NO_BIAS if bias is None else bias
+        out = self.kernel(rows, self.data, self.out_features, bias, *self.kernel_flags(may_pad_rows))
         return out.view(*x.shape[:-1], self.out_features)
+
+    def kernel_flags(self, may_pad_rows: bool) -> tuple[bool, ...]:
+        """The kernel's arguments after the bias."""
+        return ()
 
 
 class MklPackedWeight(NativePackedWeight):
@@ -77,6 +83,10 @@ class PanelPackedWeight(NativePackedWeight):
 
     backend = "panels"
     pack_function, linear_function = "panel_pack_weight", "panel_linear"
+
+    def kernel_flags(self, may_pad_rows: bool) -> tuple[bool, ...]:
+        # Rows 4 KB apart cost the panels about 10% (csrc/cpu_kernels.cpp: multiply_panels).
+        return (may_pad_rows,)
 
 
 class GatedPanelWeight:
@@ -105,7 +115,7 @@ class OneDnnPackedWeight(PackedWeight):
     def __init__(self, weight: torch.Tensor) -> None:
         self.data = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
 
 
@@ -119,7 +129,7 @@ class Fp32MklPackedWeight(PackedWeight):
     def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
         self.inner = MklPackedWeight(weight.float(), ops)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
         out = self.inner.matmul(x.float(), None if bias is None else bias.float())
         return out.to(x.dtype)
 

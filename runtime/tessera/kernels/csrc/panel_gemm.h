@@ -288,11 +288,11 @@ struct StoreSums {  // no kernel on this CPU: the shape only
 
 #if defined(TESSERA_PANELS_AVX512) || defined(TESSERA_PANELS_AVX2)
 
-// All m rows of x [m][k] times panel `panel`, into its Epilogue::kOutCols columns of y [m][n];
-// bias is the whole fp32 bias [n] (plain panels only), or null. In is T, or float where bf16
-// inputs are widened (kWidenBf16Inputs).
+// All m rows of x [m][k] times panel `panel`, into its Epilogue::kOutCols columns of y [m][n]
+// (rows ldy apart); bias is the whole fp32 bias [n] (plain panels only), or null. In is T, or
+// float where bf16 inputs are widened (kWidenBf16Inputs).
 template <typename In, typename T, typename Epilogue>
-void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t n, int64_t panel,
+void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t n, int64_t ldy, int64_t panel,
                     const float* bias, T* y, const T* next_panel, const Epilogue& epilogue) {
   constexpr int64_t out_cols = Epilogue::kOutCols;
   const T* weights = packed + panel * k * kCols;
@@ -315,14 +315,14 @@ void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t 
   const char* next = reinterpret_cast<const char*>(next_panel);
   for (int64_t row = 0; row < m; row += kTileRows) {
     const In* in = x + row * k;
-    T* tile_out = out + row * n;
+    T* tile_out = out + row * ldy;
     const int64_t done = row / kTileRows * lines_per_tile;
     const char* prefetch = next + done * 64;
     const int64_t prefetch_lines = std::max<int64_t>(0, std::min(lines_per_tile, panel_lines - done));
     switch (std::min(kTileRows, m - row)) {
 #define TESSERA_TILE(R) \
   case R:               \
-    tile<R>(in, k, weights, panel_bias, masks, tile_out, n, prefetch, prefetch_lines, epilogue); \
+    tile<R>(in, k, weights, panel_bias, masks, tile_out, ldy, prefetch, prefetch_lines, epilogue); \
     break;
       TESSERA_TILE(1)
       TESSERA_TILE(2)
@@ -364,7 +364,8 @@ struct PanelWork {
   }
 };
 
-// Item `item` of `work`: its rows of x [m][k] times its panels into their columns of y [m][n].
+// Item `item` of `work`: its rows of x [m][k] times its panels into their columns of y [m][n]
+// (rows ldy apart).
 // Each panel prefetches the next one this thread multiplies: the item's next panel, or after its
 // last the first panel of next_item (the item this thread has claimed next; none: -1). The
 // panel after an item's last in memory is usually the other thread's next: at decode sizes,
@@ -374,13 +375,14 @@ struct PanelWork {
 // offline fp32 workload 4% (9.66 -> 9.27 s).
 template <typename In, typename T, typename Epilogue>
 void multiply_item(const PanelWork& work, int64_t item, int64_t next_item, const In* x, int64_t k,
-                   const T* packed, int64_t n, int64_t count, const float* bias, T* y, const Epilogue& epilogue) {
+                   const T* packed, int64_t n, int64_t ldy, int64_t count, const float* bias, T* y,
+                   const Epilogue& epilogue) {
   const int64_t row = item / work.runs * work.block, rows = std::min(work.block, work.m - row);
   const int64_t first = item % work.runs * work.run, last = std::min(count, first + work.run);
   const T* after_last = next_item < 0 ? nullptr : packed + next_item % work.runs * work.run * k * kCols;
   for (int64_t panel = first; panel < last; ++panel) {
     const T* next = panel + 1 < last ? packed + (panel + 1) * k * kCols : after_last;
-    multiply_panel(x + row * k, rows, k, packed, n, panel, bias, y + row * n, next, epilogue);
+    multiply_panel(x + row * k, rows, k, packed, n, ldy, panel, bias, y + row * ldy, next, epilogue);
   }
 }
 

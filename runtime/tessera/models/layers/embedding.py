@@ -90,7 +90,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden_states, self.weight, self.packed_weight, None)
+        # The logits are only read (sampled, gathered): their rows may be padded apart.
+        logits = linear(hidden_states, self.weight, self.packed_weight, None, may_pad_rows=True)
         logits = tp_all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()
 

@@ -55,11 +55,16 @@ def pack_weight(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> Pac
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: PackedWeight | None,
+    bias: torch.Tensor | None,
+    may_pad_rows: bool = False,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``, through the packed form when there is one."""
+    """``x @ weight.T (+ bias)``, through the packed form when there is one (``may_pad_rows``:
+    see ``PackedWeight.matmul``)."""
     if packed is not None:
-        return packed.matmul(x, bias)
+        return packed.matmul(x, bias, may_pad_rows)
     return F.linear(x, weight, bias)
 
 
