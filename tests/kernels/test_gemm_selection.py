@@ -149,7 +149,7 @@ def test_silu_gated_layer_matches_aten_on_every_backend(
     monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, backend)
     x = torch.randn(9, 64).to(dtype)
     for bias in (False, True):
-        layer = SiluGatedLinear(64, 40, bias=bias, params_dtype=dtype, tp_rank=1, tp_size=2)
+        layer = SiluGatedLinear(64, [40, 40], bias=bias, params_dtype=dtype, tp_rank=1, tp_size=2)
         for param in layer.parameters():
             param.data.normal_()
         gate_up = F.linear(

@@ -132,7 +132,7 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = SiluGatedLinear(
             config.hidden_size,
-            inter,
+            [inter, inter],
             bias=bias,
             params_dtype=dtype,
             tp_rank=tp_rank,

@@ -202,7 +202,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class SiluGatedLinear(MergedColumnParallelLinear):
-    """SwiGLU's gate and up projections with the activation applied: ``silu(x @ gate.T) * (x @ up.T)``.
+    """SwiGLU's gate and up projections (``output_sizes``: [intermediate, intermediate]) with the
+    activation applied: ``silu(x @ gate.T) * (x @ up.T)``.
 
     Where the panel GEMM is this weight's fastest backend (and there is no bias), the activation
     runs in the GEMM's epilogue (``GatedPanelWeight``): the ``[tokens, 2 * intermediate]``
@@ -211,26 +212,8 @@ class SiluGatedLinear(MergedColumnParallelLinear):
     512 tokens, level at decode sizes; bf16 2% at 2048 tokens.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        intermediate_size: int,
-        bias: bool = False,
-        params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        sequence_parallel: bool = False,
-    ) -> None:
-        super().__init__(
-            input_size,
-            [intermediate_size, intermediate_size],
-            bias=bias,
-            params_dtype=params_dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            sequence_parallel=sequence_parallel,
-        )
-        self.gated_weight: GatedPanelWeight | None = None
+    # Set by pack_weights where the panels multiply this weight.
+    gated_weight: GatedPanelWeight | None = None
 
     def pack_weights(self) -> None:
         packed = pack_weight(self.weight.data)
