@@ -95,8 +95,6 @@ class GatedPanelWeight:
     ``silu(x @ gate.T) * (x @ up.T)`` (``csrc/panel_gemm.h``'s ``GatedRows``), so the ``[M, 2W]``
     projection is never written out and read back. Rounding matches the unfused pass exactly."""
 
-    backend = "panels_silu_mul"
-
     def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
         self.width = weight.shape[0] // 2
         self.data = ops.panel_pack_gated_weight(weight.contiguous())

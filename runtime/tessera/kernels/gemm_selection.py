@@ -184,23 +184,23 @@ def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dic
     return Selection(backend, scores, round(contention.cpus, 2)), packed
 
 
-def select_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> PackedWeight:
-    """``weight`` in the form of the backend that multiplies it fastest here (recorded, or measured now)."""
+def _select(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, PackedWeight | None]:
+    """The fastest backend's name here (forced, recorded, or measured now) and, when measuring
+    built it, its packed form."""
     supported = {backend.name for backend in candidates(weight)}
     forced = os.environ.get(FORCE_VARIABLE)
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"{FORCE_VARIABLE}={forced!r}: choose one of {', '.join(BACKENDS)}")
-        name = forced if forced in supported else "aten"
-        return BACKENDS[name].pack(weight)
+        return (forced if forced in supported else "aten"), None
     if len(supported) == 1:
-        return BACKENDS["aten"].pack(weight)
+        return "aten", None
     key = selection_key(weight, rows)
     recorded = recorded_selections().get(key)
     if isinstance(recorded, dict) and recorded.get("backend") in supported:
-        return BACKENDS[recorded["backend"]].pack(weight)
+        return recorded["backend"], None
     if key in _unrecorded_verdicts:
-        return BACKENDS[_unrecorded_verdicts[key]].pack(weight)
+        return _unrecorded_verdicts[key], None
     selection, packed = measure(weight, rows)
     if selection.contended:
         _unrecorded_verdicts[key] = selection.backend
@@ -214,4 +214,15 @@ def select_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> 
     else:
         logger.info("GEMM %s: %s (scores %s)", key, selection.backend, selection.measured)
         _record(key, selection)
-    return packed[selection.backend]
+    return selection.backend, packed[selection.backend]
+
+
+def selected_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> str:
+    """The name of the backend that multiplies ``weight`` fastest here (recorded, or measured now)."""
+    return _select(weight, rows)[0]
+
+
+def select_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> PackedWeight:
+    """``weight`` in the form of the backend that multiplies it fastest here (recorded, or measured now)."""
+    name, packed = _select(weight, rows)
+    return packed if packed is not None else BACKENDS[name].pack(weight)

@@ -542,8 +542,6 @@ torch::Tensor multiply_panels(const torch::Tensor& x, const torch::Tensor& packe
   return out;
 }
 
-int64_t gated_panel_count(int64_t width) { return (width + panels::kCols / 2 - 1) / (panels::kCols / 2); }
-
 }  // namespace
 
 // weight [N, K] (fp32, or bf16 with K even) -> its panels, [ceil(N / C), K * C] of the same dtype
@@ -564,14 +562,14 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, tor
 torch::Tensor panel_pack_gated_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "a gate_up weight has an even number of rows");
   const int64_t width = weight.size(0) / 2;
-  return pack_panels(weight, gated_panel_count(width), panels::GatedRows{width});
+  return pack_panels(weight, panels::gated_panel_count(width), panels::GatedRows{width});
 }
 
 // silu(x @ gate.T) * (x @ up.T) [M, W] with a weight packed by panel_pack_gated_weight: SwiGLU
 // without writing the [M, 2W] projection out and reading it back.
 torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t width) {
 #if defined(TESSERA_PANELS_AVX512) || defined(TESSERA_PANELS_AVX2)
-  return multiply_panels(x, packed, width, gated_panel_count(width), torch::empty({0}), false, SiluMulSums{});
+  return multiply_panels(x, packed, width, panels::gated_panel_count(width), torch::empty({0}), false, SiluMulSums{});
 #else
   TORCH_CHECK(false, "the panel GEMM does not run on this CPU");
 #endif

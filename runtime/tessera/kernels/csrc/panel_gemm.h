@@ -42,6 +42,8 @@ constexpr int64_t kLanes = 8, kVectors = 2, kTileRows = 6;  // shapes only: no k
 constexpr int64_t kCols = kLanes * kVectors;  // output columns per panel
 
 inline int64_t panel_count(int64_t n) { return (n + kCols - 1) / kCols; }
+// Gated panels (GatedRows) for SwiGLU outputs of the given width: kCols / 2 outputs each.
+inline int64_t gated_panel_count(int64_t width) { return (width + kCols / 2 - 1) / (kCols / 2); }
 
 #if defined(TESSERA_PANELS_AVX512) || defined(TESSERA_PANELS_AVX2)
 constexpr bool kFp32 = true;
@@ -302,10 +304,9 @@ void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t 
   // The next panel this thread multiplies (next_panel, null for none) is requested into L2
   // while this one's row tiles run (a share of its lines per tile, one line per k step), so the
   // next panel's first tile does not wait on DRAM: the hardware prefetcher alone kept it
-  // waiting at decode's 64 rows. On a 2-core EPYC Turin VM,
-  // fp32 at 64 rows ran 8-11% faster for the MLP shapes (3072x576, 576x1536) and level for the
-  // attention ones, level at 512-2048 rows; the offline workload 5% faster in fp32 (10.6 -> 10.1
-  // s) and 3% in bf16.
+  // waiting at decode's 64 rows. On a 2-core EPYC Turin VM, fp32 at 64 rows ran 8-11% faster
+  // for the MLP shapes (3072x576, 576x1536) and level for the attention ones, level at 512-2048
+  // rows; the offline workload 5% faster in fp32 (10.6 -> 10.1 s) and 3% in bf16.
   // A tile requests at most one line per k step, so with few tiles (few rows) only the start of
   // the next panel is requested, without gaps, and the hardware prefetcher streams the rest.
   const int64_t panel_lines = k * kCols * static_cast<int64_t>(sizeof(T)) / 64;

@@ -23,14 +23,8 @@ from tessera.distributed.communication import (
     tp_all_reduce,
     tp_reduce_scatter,
 )
-from tessera.kernels.gemm import (
-    AtenWeight,
-    GatedPanelWeight,
-    PackedWeight,
-    PanelPackedWeight,
-    pack_gated_panels,
-)
-from tessera.kernels.gemm_selection import LAYER_ROWS, LM_HEAD_ROWS, select_backend
+from tessera.kernels.gemm import AtenWeight, GatedPanelWeight, PackedWeight, pack_gated_panels
+from tessera.kernels.gemm_selection import LAYER_ROWS, LM_HEAD_ROWS, select_backend, selected_backend
 from tessera.models.checkpoint import CheckpointTensor, materialize
 from tessera.models.layers.activation import silu_and_mul
 
@@ -216,13 +210,13 @@ class SiluGatedLinear(MergedColumnParallelLinear):
     gated_weight: GatedPanelWeight | None = None
 
     def pack_weights(self) -> None:
-        packed = pack_weight(self.weight.data)
-        if isinstance(packed, PanelPackedWeight) and self.bias is None:
-            # The gated panels replace the plain ones: this layer only ever multiplies for SwiGLU.
-            self.gated_weight = pack_gated_panels(self.weight.data)
+        weight = self.weight.data
+        if self.bias is None and weight.device.type == "cpu" and selected_backend(weight) == "panels":
+            # Gated panels in place of plain ones: this layer only ever multiplies for SwiGLU.
+            self.gated_weight = pack_gated_panels(weight)
             self.release_dense_weight()
         else:
-            self.use_packed(packed)
+            super().pack_weights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
