@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,12 +14,6 @@ from contextlib import contextmanager
 import httpx
 
 STARTUP_TIMEOUT_S = 900
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager

@@ -30,10 +30,11 @@ from typing import Any
 
 from common import environment_info, exit_on_sigterm, new_figure, save_figure, set_threads, write_json
 from offline_throughput import MODEL, Request, build_workload
-from servers import free_port, running_server
+from servers import running_server
 
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import run_benchmark
+from tessera.ports import free_port
 
 TARGET_MAX_OVERHEAD = 0.10
 NAME = "serving_overhead"

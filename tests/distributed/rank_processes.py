@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tessera.ports import free_port
 from tessera_operator import builders
 from tessera_operator.api import InferenceClusterSpec
-from tests.serving.server import free_port
 
 # The pod's volumes (emptyDirs at /cache and /tmp) do not exist on the host.
 HOST_PATH_ENV = ("TESSERA_CACHE", "TMPDIR", "HOME")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+
+from tessera.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tessera"
@@ -41,12 +42,6 @@ def wait_for(check: Callable[[], T], what: str, timeout: float = 30.0, interval:
                 return last
         time.sleep(interval)
     raise TimeoutError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kjson(cluster: Any, *args: str) -> Any:

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import yaml
 
+from tessera.ports import free_port
 from tests.integration.operator_harness import (
     CHART,
     ROOT,
     condition,
-    free_port,
     ic,
     kjson,
     pod_names,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,15 +10,11 @@ from pathlib import Path
 
 import httpx
 
+from tessera.ports import free_port
+
 API_KEY = "test-key-123"
 MODEL_NAME = "tiny"
 STARTUP_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

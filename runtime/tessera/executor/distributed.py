@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.distributed import rpc
 from tessera.executor.base import STEP_TIMEOUT_S, Executor, ExecutorFailedError
+from tessera.ports import free_port
 from tessera.topology import Topology
 from tessera.worker.worker_proc import LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, RPC_ADDR_ENV
 
@@ -254,7 +254,7 @@ class MultiprocExecutor(DistributedExecutor):
     """Every rank a local process: `tessera serve MODEL --tp T --pp P` on one machine (IPC)."""
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
-        topology = Topology(layout=config.parallel, leader_addr="127.0.0.1", dist_port=_free_port())
+        topology = Topology(layout=config.parallel, leader_addr="127.0.0.1", dist_port=free_port())
         super().__init__(
             config, model_dir, topology, list(range(topology.world_size)), [], LOCAL_STARTUP_TIMEOUT_S
         )
@@ -273,12 +273,6 @@ class RemoteRanksExecutor(DistributedExecutor):
         super().__init__(
             config, model_dir, topology, [0], [f"tcp://*:{topology.rpc_port}"], REMOTE_STARTUP_TIMEOUT_S
         )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _die_with_parent() -> None:
