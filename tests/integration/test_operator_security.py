@@ -15,7 +15,7 @@ from tessera_operator.builders import ClusterRef
 from tessera_operator.kube import KubeClient
 from tessera_operator.planner import Event
 from tessera_operator.reconcile import Reconciler
-from tests.integration.operator_harness import condition, ic, install_rbac, kjson, pods
+from tests.integration.operator_harness import condition, ic, install_rbac, kjson, pods, wait_for
 
 
 def apply(cluster: Any, ns: str, name: str, check: bool = True, **spec: Any) -> Any:
@@ -113,6 +113,20 @@ def test_one_pass_without_a_webhook_reports_what_it_cannot_act_on(crds: Any, k8s
         "spec": {"hard": {"pods": "2"}},
     }
     cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(quota))
+    # Pod admission finds the quota in the API server's cache. Until that cache has it, the
+    # server goes by a list of the namespace's quotas that it keeps for 30 s, and that list was
+    # empty when the pods above were created. kube-controller-manager counts the quota's usage
+    # only after the quota reached it by the same watch.
+    wait_for(
+        lambda: (
+            kjson(cluster, "get", "resourcequota", "pods", "-n", ns)
+            .get("status", {})
+            .get("used", {})
+            .get("pods")
+            == "2"
+        ),
+        "the quota's usage to be counted",
+    )
     apply(cluster, ns, "over-quota")
     one_pass(kubeconfig, ns, "over-quota")
     degraded = condition(ic(cluster, ns, "over-quota"), "Degraded")
