@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tessera import kernels
 from tessera.kernels.gemm import MklPackedWeight, OneDnnPackedWeight
-from tessera.models.layers.activation import SiluAndMul
+from tessera.models.layers.activation import silu_and_mul
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
 from tessera.models.layers.linear import ColumnParallelLinear, process_weights_after_loading
 from tessera.models.layers.norm import RMSNorm
@@ -141,7 +141,7 @@ def test_rms_norm_matches_aten(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_aten(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     x = (torch.randn(33, 2 * 200) * 6).to(dtype)  # wide range: both signs, saturated sigmoid
-    native, aten = run_both(monkeypatch, lambda: SiluAndMul()(x))
+    native, aten = run_both(monkeypatch, lambda: silu_and_mul(x))
     torch.testing.assert_close(native, aten, atol=tolerance(dtype), rtol=tolerance(dtype))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tessera.kernels import native_ops
 
@@ -16,8 +15,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(x)
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
