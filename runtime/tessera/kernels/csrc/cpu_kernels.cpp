@@ -78,12 +78,12 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
 
   // 2. Attention, one work item per (sequence, query tile), longest first.
   const std::vector<WorkItem> items =
-      make_work_items(batch.starts, batch.lens, seq_lens.size(0), num_heads, sliding_window);
+      make_work_items(batch.starts, batch.lens, seq_lens.size(0), num_heads, batch.group, sliding_window);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_items)));
 #pragma omp parallel num_threads(threads)
   {
-    TileScratch scratch(query_tile(num_heads) * num_heads, head_dim, block_size);
+    TileScratch scratch(query_tile(num_heads, batch.group) * num_heads, head_dim, block_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < num_items; ++w) {
       switch (head_dim) {

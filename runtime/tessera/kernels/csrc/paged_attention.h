@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -447,12 +448,21 @@ struct WorkItem {
 // rows, few enough that the scratch stays in L2 and the items balance over threads.
 constexpr int64_t kRowsPerItem = 128;
 
-inline int64_t query_tile(int64_t num_heads) { return std::max<int64_t>(1, kRowsPerItem / num_heads); }
+// Tokens per item: about kRowsPerItem rows, rounded up so that a KV head's rows (tokens x
+// group) fill whole vectors on the many-rows path. SmolLM2 (9 heads, groups of 3) had 14
+// tokens, 42 rows a KV head in 3 vectors of 16 lanes, an eighth of them empty; at 16 tokens
+// its prefill attention ran about 10% faster (2-core EPYC Turin, 2198 prompt tokens, 30 layers,
+// medians of 6 alternating runs: fp32 70.0 -> 63.1 ms, bf16 54.2 -> 49.5 ms).
+inline int64_t query_tile(int64_t num_heads, int64_t group) {
+  const int64_t tokens = std::max<int64_t>(1, kRowsPerItem / num_heads);
+  const int64_t whole = kLanes / std::gcd(group, kLanes);  // tokens whose rows fill whole vectors
+  return (tokens + whole - 1) / whole * whole;
+}
 
 // Items for every sequence, most expensive first (for dynamic scheduling over threads).
 inline std::vector<WorkItem> make_work_items(const int64_t* starts, const int64_t* lens, int64_t num_seqs,
-                                             int64_t num_heads, int64_t sliding_window) {
-  const int64_t tile = query_tile(num_heads);
+                                             int64_t num_heads, int64_t group, int64_t sliding_window) {
+  const int64_t tile = query_tile(num_heads, group);
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t query_len = starts[s + 1] - starts[s];
