@@ -5,6 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
+BENCH_TAG ?=
 
 .PHONY: venv demo demo-down prebuild test test-fast lint format crds k8s bench clean
 
@@ -40,6 +41,13 @@ format: $(STAMP)
 
 k8s: $(STAMP)
 	bash e2e/install_k8s.sh
+
+# The race against vLLM's CPU backend (benchmarks/README.md), offline and through the servers,
+# about 15 minutes on 2 cores (vLLM's venv is installed on first use). BENCH_TAG=genoa writes
+# benchmarks/results/*_genoa.{json,png} instead of the files kept for the reference machine.
+bench: $(STAMP)
+	TESSERA_BENCH_TAG=$(BENCH_TAG) $(PY) benchmarks/offline_throughput.py --batch-sizes 64
+	TESSERA_BENCH_TAG=$(BENCH_TAG) $(PY) benchmarks/serving_vs_vllm.py
 
 test: lint k8s
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)

@@ -1,7 +1,8 @@
 """Helpers every benchmark shares: where results go, what machine produced them, its matmul peak.
 
 A result is one JSON file (numbers + the environment that produced them) and one PNG plot
-with the same stem in ``benchmarks/results/``.
+with the same stem in ``benchmarks/results/``; ``TESSERA_BENCH_TAG=milan`` appends ``_milan``
+to the stem, so a run on another machine kind sits beside the results already kept.
 """
 
 from __future__ import annotations
@@ -293,19 +294,24 @@ def measure_process_scaling(processes: int = 2, seconds: float = 5.0) -> dict[st
     }
 
 
-def write_json(name: str, data: dict[str, Any]) -> Path:
+def result_path(name: str, suffix: str) -> Path:
+    """``results/<name>[_<TESSERA_BENCH_TAG>]<suffix>``, its folder created."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    tag = os.environ.get("TESSERA_BENCH_TAG", "")
+    return RESULTS_DIR / f"{name}{'_' + tag if tag else ''}{suffix}"
+
+
+def write_json(name: str, data: dict[str, Any]) -> Path:
+    path = result_path(name, ".json")
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
 
 
 def save_figure(name: str, figure: Any) -> Path:
-    """Write a matplotlib figure as ``results/<name>.png`` and close it."""
+    """Write a matplotlib figure as ``results/<name>.png`` (tagged like the JSON) and close it."""
     import matplotlib.pyplot as plt
 
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.png"
+    path = result_path(name, ".png")
     figure.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(figure)
     return path
