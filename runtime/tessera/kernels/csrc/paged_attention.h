@@ -452,7 +452,8 @@ constexpr int64_t kRowsPerItem = 128;
 // group) fill whole vectors on the many-rows path. SmolLM2 (9 heads, groups of 3) had 14
 // tokens, 42 rows a KV head in 3 vectors of 16 lanes, an eighth of them empty; at 16 tokens
 // its prefill attention ran about 10% faster (2-core EPYC Turin, 2198 prompt tokens, 30 layers,
-// medians of 6 alternating runs: fp32 70.0 -> 63.1 ms, bf16 54.2 -> 49.5 ms).
+// medians of 6 alternating runs: fp32 70.0 -> 63.1 ms, bf16 54.2 -> 49.5 ms). 32 heads without
+// GQA had 4 tokens, 4 rows a KV head, too few for that path: at 16, fp32 ran 1.6x faster.
 inline int64_t query_tile(int64_t num_heads, int64_t group) {
   const int64_t tokens = std::max<int64_t>(1, kRowsPerItem / num_heads);
   const int64_t whole = kLanes / std::gcd(group, kLanes);  // tokens whose rows fill whole vectors
