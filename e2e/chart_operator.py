@@ -55,6 +55,8 @@ def host_args(chart_args: list[str], health_port: int, webhook_port: int, cert_d
     args = []
     for arg in chart_args:
         name = arg.split("=", 1)[0]
+        if name == "--webhook-service":
+            continue  # the operator runs on this host, not behind the chart's Service: keep the URL
         args.append(f"{name}={replaced[name]}" if name in replaced else arg)
     return [*args, "--webhook-addr=127.0.0.1"]
 

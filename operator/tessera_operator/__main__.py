@@ -33,10 +33,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=CONFIG.min_interval_seconds,
         help="seconds between passes per cluster",
     )
+    parser.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=CONFIG.autoscale_interval_seconds,
+        help="seconds between queue-depth samples of an autoscaled cluster",
+    )
     parser.add_argument("--webhook-port", type=int, default=CONFIG.webhook_port, help="serve the webhook")
     parser.add_argument("--webhook-addr", default=CONFIG.webhook_addr)
     parser.add_argument("--webhook-host", default=CONFIG.webhook_host, help="hostname the API server calls")
     parser.add_argument("--webhook-cert-dir", default=CONFIG.webhook_cert_dir, help="tls.crt + tls.key")
+    parser.add_argument(
+        "--webhook-service",
+        default=CONFIG.webhook_service,
+        metavar="NAMESPACE/NAME",
+        help="the managed configuration calls this Service (in a cluster) instead of the host's URL",
+    )
+    parser.add_argument(
+        "--webhook-failure-policy",
+        choices=("Fail", "Ignore"),
+        default=CONFIG.webhook_failure_policy,
+        help="what the API server does when the managed webhook cannot be reached",
+    )
     parser.add_argument(
         "--webhook-managed",
         default=CONFIG.webhook_managed,
@@ -89,11 +107,14 @@ def main(argv: list[str] | None = None) -> None:
     CONFIG.concurrency = args.concurrency
     CONFIG.resync_seconds = args.resync_seconds
     CONFIG.min_interval_seconds = args.min_interval
+    CONFIG.autoscale_interval_seconds = args.autoscale_interval
     CONFIG.webhook_port = args.webhook_port
     CONFIG.webhook_addr = args.webhook_addr
     CONFIG.webhook_host = args.webhook_host
     CONFIG.webhook_cert_dir = args.webhook_cert_dir
     CONFIG.webhook_managed = args.webhook_managed
+    CONFIG.webhook_service = args.webhook_service
+    CONFIG.webhook_failure_policy = args.webhook_failure_policy
     CONFIG.pod_policy = PodPolicy(
         allow_host_path=args.allow_host_path,
         allow_secrets=args.allow_secrets,

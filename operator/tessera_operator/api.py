@@ -221,16 +221,29 @@ class RestartPolicySpec(Wire):
 
 
 class AutoscalingSpec(Wire):
-    """Queue-depth autoscaling of replica groups."""
+    """Queue-depth autoscaling of replica groups (the operator's own autoscaler, HPA's rules)."""
 
-    enabled: bool = Field(default=False, description="Let the autoscaler change spec.replicas.")
-    min_replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Fewest groups.")
+    enabled: bool = Field(
+        default=False,
+        description="Let the operator's autoscaler set spec.replicas (through the scale subresource) "
+        "from the queue depth its Ready leaders report.",
+    )
+    min_replicas: int = Field(
+        default=1, ge=1, le=MAX_REPLICAS, description="Fewest groups (a cluster without groups has no queue)."
+    )
     max_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="Most groups.")
     metric: Literal["tessera:num_requests_waiting"] = Field(
-        default="tessera:num_requests_waiting", description="Per-replica metric the autoscaler reads."
+        default="tessera:num_requests_waiting",
+        description="Per-replica gauge the autoscaler reads from each Ready leader's /metrics.",
     )
     target_queue_depth: float = Field(
         default=8, gt=0, le=1_000_000, description="Target waiting requests per replica group."
+    )
+    scale_down_stabilization_seconds: float = Field(
+        default=300,
+        ge=0,
+        le=MAX_DELAY_SECONDS,
+        description="Scale down only to the highest recommendation of this window (HPA's default: 300).",
     )
 
 
@@ -280,6 +293,18 @@ class Condition(Wire):
     observed_generation: int | None = Field(default=None, description="Generation the condition is about.")
 
 
+class AutoscalingStatus(Wire):
+    queue_depth: float | None = Field(
+        default=None, description="Requests waiting at the Ready leaders at the last sample."
+    )
+    measured_replicas: int = Field(default=0, description="Groups whose leader answered the last sample.")
+    desired_replicas: int | None = Field(default=None, description="What the autoscaler last asked for.")
+    last_sample_time: str | None = Field(default=None, description="When the leaders were last sampled.")
+    last_scale_time: str | None = Field(
+        default=None, description="When the autoscaler last changed replicas."
+    )
+
+
 class InferenceClusterStatus(Wire):
     observed_generation: int | None = Field(default=None, description="Last generation reconciled.")
     replicas: int = Field(default=0, description="Groups that exist (including surge groups).")
@@ -296,6 +321,9 @@ class InferenceClusterStatus(Wire):
     )
     groups: list[GroupStatus] = Field(default_factory=list, description="Per-group state.")
     conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
+    autoscaling: AutoscalingStatus | None = Field(
+        default=None, description="The queue-depth autoscaler's last sample and decision."
+    )
 
 
 class InferenceCluster(Wire):

@@ -47,6 +47,10 @@ class OperatorConfig:
     resync_seconds: float = field(default_factory=lambda: _float("TESSERA_OPERATOR_RESYNC_SECONDS", 30.0))
     # A cluster is reconciled at most this often on events (its own writes' echoes fold together).
     min_interval_seconds: float = field(default_factory=lambda: _float("TESSERA_OPERATOR_MIN_INTERVAL", 0.5))
+    # How often the queue-depth autoscaler samples a cluster's leaders (the HPA's sync period).
+    autoscale_interval_seconds: float = field(
+        default_factory=lambda: _float("TESSERA_OPERATOR_AUTOSCALE_INTERVAL", 15.0)
+    )
     workers: int = field(default_factory=lambda: _int("TESSERA_OPERATOR_WORKERS", 16))
     # Concurrent API requests: the API server's default in-flight limit is 200 mutating.
     concurrency: int = field(default_factory=lambda: _int("TESSERA_OPERATOR_CONCURRENCY", 64))
@@ -64,6 +68,14 @@ class OperatorConfig:
     # Name of the ValidatingWebhookConfiguration kopf keeps up to date (None: managed elsewhere, e.g. Helm).
     webhook_managed: str | None = field(
         default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_MANAGED") or None
+    )
+    # "NAMESPACE/NAME" of the Service in front of the webhook: the managed configuration then names
+    # that Service, as the API server expects, instead of a URL it may not resolve (in-cluster DNS).
+    webhook_service: str | None = field(
+        default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_SERVICE") or None
+    )
+    webhook_failure_policy: str = field(
+        default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_FAILURE_POLICY", "Fail")
     )
     # What a spec may put into rank pods (hostPath, Secrets, ServiceAccounts, ...) and the pod cap.
     pod_policy: PodPolicy = field(default_factory=pod_policy_from_environment)

@@ -34,7 +34,12 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.networking.connect_timeout = 10
     client = KubeClient.from_environment(CONFIG.kubeconfig, concurrency=CONFIG.concurrency)
     webhook.configure(settings, CONFIG, client)
-    reconciler = Reconciler(client, resync_seconds=CONFIG.resync_seconds, policy=CONFIG.pod_policy)
+    reconciler = Reconciler(
+        client,
+        resync_seconds=CONFIG.resync_seconds,
+        policy=CONFIG.pod_policy,
+        autoscale_interval=CONFIG.autoscale_interval_seconds,
+    )
 
     async def handle(key: Any) -> float | None:
         namespace, name = key

@@ -1,7 +1,10 @@
 """Read the pods that exist into per-group facts: complete? started? failed (and why)? leader Ready?
 
-Pure: plain pod dicts in, frozen facts out. Pods being deleted count as absent; pods that do not
-belong to this cluster's naming scheme are reported as strays for removal.
+Pure: plain pod dicts in, frozen facts out. Pods being deleted count as absent. Only pods this
+cluster controls (their controller ownerReference carries its uid) are ours: among those, one
+outside the naming scheme is a stray for removal; any other pod with the cluster label (a Job's,
+a `kubectl debug --copy-to` copy, a client labelled to pass a NetworkPolicy) is ignored, as a
+ReplicaSet ignores pods it does not control.
 """
 
 from __future__ import annotations
@@ -101,16 +104,23 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
 @dataclass
 class Observation:
     groups: dict[int, GroupObservation]
-    strays: list[str]  # our label, but not a pod this cluster would create: removed
+    strays: list[str]  # controlled by this cluster, but not a pod it would create: removed
+
+
+def controlled_by(pod: dict[str, Any], uid: str) -> bool:
+    """Whether the pod's controller is the object with this uid (a label anyone can set; this not)."""
+    owners = pod["metadata"].get("ownerReferences") or []
+    return any(o.get("controller") is True and o.get("uid") == uid for o in owners)
 
 
 def observe(cluster: str, uid: str, pods: Iterable[dict[str, Any]]) -> Observation:
     groups: dict[int, GroupObservation] = {}
     strays: list[str] = []
     for pod in pods:
+        if not controlled_by(pod, uid):
+            continue  # not ours to count or delete, whatever its labels say
         meta = pod["metadata"]
         labels = meta.get("labels") or {}
-        owners = [o for o in meta.get("ownerReferences") or [] if o.get("controller")]
         try:
             group = int(labels[naming.GROUP_LABEL])
             stage = int(labels[naming.STAGE_LABEL])
@@ -118,9 +128,7 @@ def observe(cluster: str, uid: str, pods: Iterable[dict[str, Any]]) -> Observati
         except (KeyError, ValueError):
             strays.append(meta["name"])
             continue
-        if meta["name"] != naming.pod_name(cluster, group, stage, tp) or [o.get("uid") for o in owners] != [
-            uid
-        ]:
+        if meta["name"] != naming.pod_name(cluster, group, stage, tp):
             strays.append(meta["name"])
             continue
         obs = groups.setdefault(group, GroupObservation(group))

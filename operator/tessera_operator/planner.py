@@ -56,6 +56,7 @@ def plan(
     prior: dict[int, GroupStatus],
     now: float,
 ) -> Plan:
+    # Strays are pods this cluster controls (observe.py ignores any other pod carrying its label).
     result = Plan(delete_pods=list(observation.strays))
     replicas = spec.replicas
     groups = observation.groups

@@ -19,19 +19,20 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tessera_operator import api, builders, naming
-from tessera_operator.api import InferenceClusterSpec, InferenceClusterStatus
+from tessera_operator import api, autoscaler, builders, naming
+from tessera_operator.api import AutoscalingStatus, InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
-from tessera_operator.observe import observe
+from tessera_operator.observe import Observation, observe
 from tessera_operator.planner import Event, plan
 from tessera_operator.podpolicy import PodPolicy
+from tessera_operator.queue_metrics import queue_depths
 from tessera_operator.status import build_status, degraded_status, keep_degraded
 from tessera_operator.timeutil import to_rfc3339
 from tessera_operator.validation import validate_object
 
 log = logging.getLogger("tessera_operator.reconcile")
 COMPONENT = "tessera-operator"
-FAILED_CREATE, FAILED_DELETE = "FailedCreate", "FailedDelete"
+FAILED_CREATE, FAILED_DELETE, FAILED_SCALE = "FailedCreate", "FailedDelete", "FailedScale"
 WRITE_FAILURES = frozenset({FAILED_CREATE, FAILED_DELETE})
 EVENT_COUNTS_KEPT = 4096
 
@@ -51,11 +52,14 @@ class Reconciler:
         resync_seconds: float = 30.0,
         clock: Callable[[], float] = time.time,
         policy: PodPolicy | None = None,
+        autoscale_interval: float = 15.0,
     ):
         self.client = client
         self.resync_seconds = resync_seconds
         self.clock = clock
         self.policy = policy or PodPolicy()
+        self.autoscale_interval = autoscale_interval
+        self._scale_histories: dict[str, autoscaler.History] = {}  # by cluster uid
         # Occurrences of each Event this process posted (by name, least recent first), so a
         # repeat bumps the count; bounded like client-go's correlator cache.
         self._event_counts: dict[str, int] = {}
@@ -113,6 +117,7 @@ class Reconciler:
             ))  # fmt: skip
             return self.resync_seconds
 
+        status, next_sample = await self.autoscale(ic_path, ref, spec, observation, previous, status, now)
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
         writes = [
             *(self.create(core_path(namespace, "pods"), pod) for pod in to_create),
@@ -141,7 +146,59 @@ class Reconciler:
             log.info("%s/%s: %s", namespace, name, "; ".join(e.message for e in decision.events))
         if refused:  # e.g. a quota that may free up, or a fixed spec: look again at the resync
             return self.resync_seconds
-        return min(decision.requeue_after or self.resync_seconds, self.resync_seconds)
+        return min(decision.requeue_after or self.resync_seconds, next_sample or self.resync_seconds,
+                   self.resync_seconds)  # fmt: skip
+
+    async def autoscale(
+        self,
+        ic_path: str,
+        ref: builders.ClusterRef,
+        spec: InferenceClusterSpec,
+        observation: Observation,
+        previous: InferenceClusterStatus,
+        status: InferenceClusterStatus,
+        now: float,
+    ) -> tuple[InferenceClusterStatus, float | None]:
+        """Samples the Ready leaders' queues when a sample is due and sets spec.replicas through the
+        scale subresource, as the HPA would. Returns the status to write and when to sample next."""
+        settings = spec.autoscaling
+        if settings is None or not settings.enabled:
+            self._scale_histories.pop(ref.uid, None)
+            return status, None
+        history = self._scale_histories.setdefault(ref.uid, autoscaler.History())
+        autoscaler.seed(history, now, spec.replicas)
+        if history.last_sample is not None and now - history.last_sample < self.autoscale_interval:
+            kept = status.model_copy(update={"autoscaling": previous.autoscaling})
+            return kept, history.last_sample + self.autoscale_interval - now
+        leaders = [g.leader for _, g in sorted(observation.groups.items()) if g.leader_ready and g.leader]
+        depths = await queue_depths(leaders, settings.metric)
+        sample = autoscaler.sample_of(depths, spec.replicas)
+        decision = autoscaler.decide(settings, spec.replicas, sample, history, now)
+        last_scale = previous.autoscaling.last_scale_time if previous.autoscaling else None
+        if decision.desired != spec.replicas:
+            verb = "ScaledUp" if decision.desired > spec.replicas else "ScaledDown"
+            message = f"replicas {spec.replicas} -> {decision.desired}: {decision.reason}"
+            try:
+                await self.client.merge_patch(ic_path + "/scale", {"spec": {"replicas": decision.desired}})
+            except ApiError as exc:
+                failure = refusal(FAILED_SCALE, "setting replicas through the scale subresource", exc)
+                if not isinstance(failure, WriteRefused):
+                    raise failure from exc
+                verb, message = FAILED_SCALE, str(failure)
+            else:
+                last_scale = to_rfc3339(now)
+            log.info("%s/%s: %s: %s", ref.namespace, ref.name, verb, message)
+            await self.post_events(
+                ref, [Event("Warning" if verb == FAILED_SCALE else "Normal", verb, message)]
+            )
+        measured = AutoscalingStatus(
+            queue_depth=sample.waiting if sample.measured else None,
+            measured_replicas=sample.measured,
+            desired_replicas=decision.desired,
+            last_sample_time=to_rfc3339(now),
+            last_scale_time=last_scale,
+        )
+        return status.model_copy(update={"autoscaling": measured}), self.autoscale_interval
 
     async def refused_writes(self, writes: list[Any]) -> list[WriteRefused]:
         """Runs the writes; returns those refused for good, raises anything transient."""

@@ -2,6 +2,9 @@
 
 The schema already rejects wrong types and ranges; this adds what structural schemas cannot
 say in Kubernetes 1.20 (no CEL). It judges CREATE and UPDATE only: a DELETE must always pass.
+An UPDATE is judged only when it changes the spec of an object not being deleted: after a policy
+is tightened (e.g. `--allow-secrets` off), an existing object must still lose its finalizers (the
+garbage collector's foreground deletion) and take label or annotation changes (Argo CD).
 
 With `--webhook-managed NAME` the operator keeps the ValidatingWebhookConfiguration NAME
 current (its URL and CA change with the serving certificate). kopf's own managed mode first
@@ -19,6 +22,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import kopf
 
@@ -38,15 +42,30 @@ _registered = False
 
 
 async def validate_inference_cluster(
-    spec: Any, name: str | None, body: Any, operation: str | None = None, **_: Any
+    spec: Any, name: str | None, body: Any, operation: str | None = None, old: Any = None, **_: Any
 ) -> None:
     if operation not in OPERATIONS:  # a hand-written configuration may still send DELETE
+        return
+    if operation == "UPDATE" and not update_needs_judging(old, body, spec):
         return
     generate_name = (body.get("metadata") or {}).get("generateName")
     name = name or (generate_name + GENERATED_SUFFIX if generate_name else "generated")
     errors = validate_object(name, dict(spec), CONFIG.pod_policy)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors), code=422)
+
+
+def update_needs_judging(old: Any, body: Any, spec: Any) -> bool:
+    """Whether an UPDATE is worth judging: it sets a new spec on an object that is not going away.
+
+    `old` is the stored object (kopf passes the AdmissionReview's `oldObject`); without it the
+    update is judged, as before.
+    """
+    if (body.get("metadata") or {}).get("deletionTimestamp"):
+        return False  # finalizers must come off, whatever the policy says now
+    if old is None:
+        return True
+    return dict(old.get("spec") or {}) != dict(spec or {})
 
 
 def register() -> None:
@@ -59,11 +78,21 @@ def register() -> None:
         _registered = True
 
 
-def webhooks(client_config: dict[str, Any]) -> list[dict[str, Any]]:
-    """The `webhooks` of the configuration (the chart's static template holds the same rules)."""
+def webhooks(
+    client_config: dict[str, Any], service: str | None = None, failure_policy: str = "Fail"
+) -> list[dict[str, Any]]:
+    """The `webhooks` of the configuration (the chart's static template holds the same rules).
+
+    kopf hands over a URL; with `service` ("NAMESPACE/NAME") the API server is pointed at that
+    Service instead, at the URL's port: an API server on the host network may not resolve
+    in-cluster names."""
     config = dict(client_config)
     if "url" in config:
         config["url"] = f"{config['url'].rstrip('/')}/{HANDLER_ID}"
+    if service is not None and "url" in config:
+        namespace, name = service.split("/", 1)
+        port = urlsplit(config.pop("url")).port or 443
+        config["service"] = {"namespace": namespace, "name": name, "port": port, "path": f"/{HANDLER_ID}"}
     return [
         {
             "name": WEBHOOK_NAME,
@@ -79,7 +108,7 @@ def webhooks(client_config: dict[str, Any]) -> list[dict[str, Any]]:
             "clientConfig": config,
             "admissionReviewVersions": ["v1", "v1beta1"],
             "sideEffects": "None",
-            "failurePolicy": "Fail",
+            "failurePolicy": failure_policy,
             "matchPolicy": "Equivalent",
             "timeoutSeconds": 10,
         }
@@ -89,17 +118,26 @@ def webhooks(client_config: dict[str, Any]) -> list[dict[str, Any]]:
 class ManagedWebhookServer:
     """kopf's HTTPS webhook server, plus one named ValidatingWebhookConfiguration kept current."""
 
-    def __init__(self, server: kopf.WebhookServer, configuration: str, client: KubeClient) -> None:
+    def __init__(
+        self,
+        server: kopf.WebhookServer,
+        configuration: str,
+        client: KubeClient,
+        service: str | None = None,
+        failure_policy: str = "Fail",
+    ) -> None:
         self.server = server
         self.configuration = configuration
         self.client = client
+        self.service, self.failure_policy = service, failure_policy
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         registered = False
         try:
             async with self.server:
                 async for client_config in self.server(fn):
-                    registered = await self.write(webhooks(dict(client_config))) or registered
+                    hooks = webhooks(dict(client_config), self.service, self.failure_policy)
+                    registered = await self.write(hooks) or registered
                     yield client_config
         finally:
             if registered:  # like kopf: no webhook left behind without its server
@@ -150,5 +188,9 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: K
     )
     settings.admission.managed = None  # kopf's manager would need cluster-wide `create`
     settings.admission.server = (
-        ManagedWebhookServer(server, config.webhook_managed, client) if config.webhook_managed else server
+        ManagedWebhookServer(
+            server, config.webhook_managed, client, config.webhook_service, config.webhook_failure_policy
+        )
+        if config.webhook_managed
+        else server
     )

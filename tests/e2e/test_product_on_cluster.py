@@ -8,6 +8,7 @@ a small one for the rollout (2 replicas of pipeline 2), so no two large groups r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -238,3 +239,56 @@ def test_rollout_of_two_groups_keeps_answering_every_request(
         local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
     assert loop.failures() == []
     assert loop.served_between(started, finished) > 0
+
+
+def test_queue_depth_adds_a_group_under_load_and_removes_it_after(
+    local_cluster_full: LocalCluster, operator: ChartOperator
+) -> None:
+    """The operator's autoscaler on the real runtime: one sequence at a time per group, six clients
+    keep five requests waiting, so a second group is added; idle again, it is removed."""
+    namespace = "e2e-autoscale"
+    local_cluster_full.kubectl("create", "namespace", namespace, check=False)
+    ctx = Ctx(local_cluster_full, namespace)
+    doc: dict[str, Any] = yaml.safe_load(yaml.safe_dump(DEMO))
+    doc["metadata"]["name"] = "burst"
+    doc["spec"]["parallelism"] = {"tensor": 1, "pipeline": 1}
+    doc["spec"]["engine"]["maxNumSeqs"] = 1
+    doc["spec"]["autoscaling"] = {
+        "enabled": True,
+        "minReplicas": 1,
+        "maxReplicas": 2,
+        "targetQueueDepth": 2,
+        "scaleDownStabilizationSeconds": 5,
+    }
+    ctx.apply(doc)
+    ctx.wait_ready("burst")
+
+    def cluster() -> dict[str, Any]:
+        return dict(ctx.get_json("get", "ic", "burst", "-n", namespace))
+
+    try:
+        url = local_cluster_full.expose(namespace, "burst", 8000)
+        with contextlib.ExitStack() as clients:
+            loops = [
+                clients.enter_context(
+                    RequestLoop(
+                        connection_per_request_client(f"{url}/v1", max_retries=0, timeout=120), SERVED
+                    )
+                )
+                for _ in range(6)
+            ]
+            deadline = time.monotonic() + READY_TIMEOUT
+            while cluster()["status"].get("readyReplicas") != 2:
+                assert time.monotonic() < deadline, f"no second Ready group under load: {cluster()['status']}"
+                time.sleep(1)
+        status = cluster()["status"]["autoscaling"]
+        assert status["desiredReplicas"] == 2 and status["lastScaleTime"], status
+        assert [f for loop in loops for f in loop.failures()] == []
+
+        deadline = time.monotonic() + 120
+        while cluster()["spec"]["replicas"] != 1 or len(live_pods(ctx.get_json, namespace, "burst")) != 1:
+            assert time.monotonic() < deadline, f"not scaled back to one group: {cluster()['status']}"
+            time.sleep(1)
+        assert cluster()["status"]["autoscaling"]["queueDepth"] == 0
+    finally:
+        local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

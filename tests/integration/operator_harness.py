@@ -77,9 +77,10 @@ def set_pod_status(cluster: Any, ns: str, name: str, status: dict[str, Any]) -> 
     )
 
 
-def running(ready: bool) -> dict[str, Any]:
+def running(ready: bool, pod_ip: str | None = None) -> dict[str, Any]:
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return {
+        **({"podIP": pod_ip, "podIPs": [{"ip": pod_ip}]} if pod_ip else {}),
         "phase": "Running",
         "startTime": now,
         "conditions": [{"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": now}],
@@ -113,10 +114,11 @@ def failed(exit_code: int = 1) -> dict[str, Any]:
 
 
 class FakeKubelet:
-    """Marks every new pod Running (leaders Ready unless `leaders_ready` is False), like a kubelet would."""
+    """Marks every new pod Running (leaders Ready unless `leaders_ready` is False), like a kubelet
+    would; with `pod_ip`, every pod gets that address."""
 
-    def __init__(self, cluster: Any, ns: str, leaders_ready: bool = True) -> None:
-        self.cluster, self.ns, self.leaders_ready = cluster, ns, leaders_ready
+    def __init__(self, cluster: Any, ns: str, leaders_ready: bool = True, pod_ip: str | None = None) -> None:
+        self.cluster, self.ns, self.leaders_ready, self.pod_ip = cluster, ns, leaders_ready, pod_ip
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.started: set[str] = set()  # uids
@@ -138,7 +140,10 @@ class FakeKubelet:
                         continue
                     leader = pod["metadata"]["labels"].get("tessera.dev/role") == "leader"
                     set_pod_status(
-                        self.cluster, self.ns, pod["metadata"]["name"], running(leader and self.leaders_ready)
+                        self.cluster,
+                        self.ns,
+                        pod["metadata"]["name"],
+                        running(leader and self.leaders_ready, self.pod_ip),
                     )
                     self.started.add(uid)
             except Exception:  # a pod vanished between list and patch: next round

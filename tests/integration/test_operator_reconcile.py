@@ -189,18 +189,25 @@ def test_operator_restart_creates_no_duplicates_and_removes_strays(crds: Any, k8
             apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
             wait_for(lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 2, "ready")
         before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
-        stray = pods(cluster, ns)[0]
-        stray_pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "smollm2-intruder", "labels": stray["metadata"]["labels"]},
-            "spec": {"containers": [{"name": "x", "image": "busybox"}]},
-        }
-        cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(stray_pod))
+        rank = pods(cluster, ns)[0]
+        # A pod the cluster controls under a name it would never give is a stray; a pod that only
+        # carries its labels (a client let through a NetworkPolicy, a `kubectl debug` copy) is not its own.
+        for name, owners in (
+            ("smollm2-intruder", rank["metadata"]["ownerReferences"]),
+            ("smollm2-client", []),
+        ):
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "labels": rank["metadata"]["labels"], "ownerReferences": owners},
+                "spec": {"containers": [{"name": "x", "image": "busybox"}]},
+            }
+            cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(pod))
         with running_operator(cluster, ns) as operator:
             wait_for(lambda: "smollm2-intruder" not in pod_names(cluster, ns), "stray removed")
             time.sleep(3 * operator.resync)  # several resyncs
             after = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
+    assert after.pop("smollm2-client")
     assert after == before
 
 

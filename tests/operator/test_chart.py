@@ -62,13 +62,46 @@ def test_cluster_wide_mode_and_managed_webhook() -> None:
 
 
 def test_the_static_webhook_configuration_has_the_operators_rules() -> None:
-    docs = render("webhook.enabled=true", "webhook.managed=false", "webhook.caBundle=Zm9v")
+    docs = render(
+        "webhook.enabled=true", "webhook.managed=false", "webhook.caBundle=Zm9v", "webhook.certSecret=tls"
+    )
     [config] = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
     [hook] = config["webhooks"]
     [managed] = webhook.webhooks({"url": "https://operator:9443"})
     assert hook["rules"] == managed["rules"] and hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
     assert hook["clientConfig"]["service"]["path"] == "/" + webhook.HANDLER_ID
     assert managed["clientConfig"]["url"] == "https://operator:9443/" + webhook.HANDLER_ID
+
+
+def test_a_static_webhook_needs_the_certificate_its_ca_bundle_signs() -> None:
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        render("webhook.enabled=true", "webhook.managed=false", "webhook.caBundle=Zm9v")
+    assert "webhook.certSecret is required" in refused.value.stderr
+
+
+def test_the_managed_webhook_names_the_charts_service_with_its_failure_policy() -> None:
+    """The API server may not resolve in-cluster names (it often runs on the host network): the
+    configuration the operator writes must point at the Service, not at kopf's `.svc` URL."""
+    docs = render("webhook.enabled=true", "webhook.failurePolicy=Ignore")
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    args = dict(
+        a.split("=", 1) for a in deploy["spec"]["template"]["spec"]["containers"][0]["args"] if "=" in a
+    )
+    [service] = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-webhook")]
+    url = f"https://{args['--webhook-host']}:{args['--webhook-port']}"
+    [hook] = webhook.webhooks(
+        {"url": url, "caBundle": "Q0E="}, args["--webhook-service"], args["--webhook-failure-policy"]
+    )
+    assert hook["clientConfig"] == {
+        "caBundle": "Q0E=",
+        "service": {
+            "namespace": service["metadata"]["namespace"],
+            "name": service["metadata"]["name"],
+            "port": service["spec"]["ports"][0]["port"],
+            "path": "/" + webhook.HANDLER_ID,
+        },
+    }
+    assert hook["failurePolicy"] == "Ignore"
 
 
 def test_pod_policy_values_become_operator_flags() -> None:

@@ -60,6 +60,10 @@ class FakeClient:
             [event] = [e for e in self.events if e["metadata"]["name"] == path.rsplit("/", 1)[1]]
             event.update(body)
             return event
+        if path.endswith("/scale"):  # the scale subresource sets spec.replicas
+            target = self.objects[path.removesuffix("/scale")]
+            target["spec"]["replicas"] = body["spec"]["replicas"]
+            return target
         target = self.objects[path.removesuffix("/status")]
         for key, value in body["status"].items():
             if value is None:

@@ -1,7 +1,11 @@
+import copy
+from typing import Any
+
 import kopf
 import pytest
 
-from tessera_operator import webhook
+from tessera_operator import api, webhook
+from tessera_operator.podpolicy import PodPolicy
 
 INVALID = {
     "model": {"source": "smollm2-135m-instruct"},
@@ -27,3 +31,113 @@ async def test_a_generate_name_leaves_room_for_the_random_suffix() -> None:
     with pytest.raises(kopf.AdmissionError, match=r"metadata\.name"):
         await webhook.validate_inference_cluster(VALID, None, body, "CREATE")
     await webhook.validate_inference_cluster(VALID, None, {"metadata": {"generateName": "demo-"}}, "CREATE")
+
+
+# Allowed when the object was made; forbidden since the operator runs without --allow-secrets.
+SECRET_ENV = {"name": "KEY", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+NOW_FORBIDDEN = {**VALID, "template": {"env": [SECRET_ENV]}}
+SECRET_FIELD = r"spec\.template\.env\[0\]\.valueFrom\.secretKeyRef"
+
+
+@pytest.fixture
+def secrets_forbidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(webhook.CONFIG, "pod_policy", PodPolicy(allow_secrets=False))
+
+
+def stored(spec: dict[str, Any], **metadata: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "demo", "uid": "uid-1", **metadata}, "spec": copy.deepcopy(spec)}
+
+
+async def update(old: dict[str, Any], new: dict[str, Any]) -> None:
+    """An UPDATE the way kopf hands it over: `body` and `spec` are the new object, `old` the stored one."""
+    body = kopf.Body(new)
+    await webhook.validate_inference_cluster(body.spec, "demo", body, "UPDATE", old=kopf.Body(old))
+
+
+@pytest.mark.usefixtures("secrets_forbidden")
+async def test_a_create_with_a_forbidden_spec_is_refused_naming_the_field() -> None:
+    body = kopf.Body(stored(NOW_FORBIDDEN))
+    with pytest.raises(kopf.AdmissionError, match=SECRET_FIELD):
+        await webhook.validate_inference_cluster(body.spec, "demo", body, "CREATE", old=None)
+
+
+@pytest.mark.usefixtures("secrets_forbidden")
+async def test_finalizers_come_off_an_object_being_deleted_whatever_its_spec() -> None:
+    # The garbage collector's foreground deletion removes `foregroundDeletion` with an UPDATE.
+    deleting = {"deletionTimestamp": "2026-01-01T00:00:00Z", "deletionGracePeriodSeconds": 0}
+    old = stored(NOW_FORBIDDEN, finalizers=["foregroundDeletion"], **deleting)
+    await update(old, stored(NOW_FORBIDDEN, finalizers=[], **deleting))
+    # Even without the old object, and even if the spec changed on the way out.
+    body = kopf.Body(stored(INVALID, **deleting))
+    await webhook.validate_inference_cluster(body.spec, "demo", body, "UPDATE")
+
+
+@pytest.mark.usefixtures("secrets_forbidden")
+async def test_a_metadata_only_update_passes_whatever_its_spec() -> None:
+    # Argo CD relabelling an object that predates a tightened policy.
+    old = stored(NOW_FORBIDDEN, labels={"app": "demo"})
+    await update(old, stored(NOW_FORBIDDEN, labels={"app": "demo", "argocd.argoproj.io/instance": "x"}))
+    await update(old, stored(NOW_FORBIDDEN, annotations={"note": "x"}, finalizers=["example.com/f"]))
+
+
+@pytest.mark.usefixtures("secrets_forbidden")
+async def test_an_update_that_changes_the_spec_is_judged_naming_the_field() -> None:
+    with pytest.raises(kopf.AdmissionError, match=SECRET_FIELD):
+        await update(stored(VALID), stored(NOW_FORBIDDEN))
+    with pytest.raises(kopf.AdmissionError, match=r"spec\.parallelism\.sequenceParallel"):
+        await update(stored(VALID), stored(INVALID))
+    # An already forbidden object changed elsewhere in its spec is judged as a whole.
+    with pytest.raises(kopf.AdmissionError, match=SECRET_FIELD):
+        await update(stored(NOW_FORBIDDEN), stored({**NOW_FORBIDDEN, "replicas": 2}))
+    await update(stored(NOW_FORBIDDEN), stored({**VALID, "replicas": 2}))  # the way out is open
+
+
+@pytest.mark.usefixtures("secrets_forbidden")
+async def test_kopfs_admission_engine_hands_the_old_object_over() -> None:
+    """Through kopf's own request handling (pinned kopf): `old` is the AdmissionReview's oldObject."""
+    from kopf._cogs.structs import ephemera, references
+    from kopf._core.engines import admission
+    from kopf._core.reactor import inventory
+
+    registry = kopf.OperatorRegistry()
+    kopf.on.validate(
+        api.GROUP,
+        api.VERSION,
+        api.PLURAL,
+        id=webhook.HANDLER_ID,
+        operations=set(webhook.OPERATIONS),
+        registry=registry,
+    )(webhook.validate_inference_cluster)
+    resource = references.Resource(api.GROUP, api.VERSION, api.PLURAL, namespaced=True)
+    insights = references.Insights(webhook_resources={resource})
+
+    async def review(operation: str, old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+        request = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "r1",
+                "operation": operation,
+                "userInfo": {"username": "argocd"},
+                "resource": {"group": api.GROUP, "version": api.VERSION, "resource": api.PLURAL},
+                "object": new,
+                "oldObject": old,
+            },
+        }
+        response = await admission.serve_admission_request(
+            request,
+            webhook=webhook.HANDLER_ID,
+            settings=kopf.OperatorSettings(),
+            registry=registry,
+            insights=insights,
+            memories=inventory.ResourceMemories(),
+            memobase=ephemera.Memo(),
+            indices={},
+        )
+        return dict(response["response"])
+
+    relabelled = stored(NOW_FORBIDDEN, labels={"argocd.argoproj.io/instance": "x"})
+    assert (await review("UPDATE", stored(NOW_FORBIDDEN), relabelled))["allowed"] is True
+    refused = await review("UPDATE", stored(VALID), relabelled)
+    assert refused["allowed"] is False and "secretKeyRef" in refused["status"]["message"]
+    assert (await review("CREATE", None, relabelled))["allowed"] is False

@@ -36,23 +36,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* What the operator does: watch its resources, own pods and Services, report status and Events. */}}
+{{/* What the operator does: watch its resources, own pods and Services, report status and Events,
+and set replicas through the scale subresource when a cluster autoscales (as the HPA would). */}}
 {{- define "tessera.rules" -}}
 - apiGroups: ["tessera.dev"]
   resources: ["inferenceclusters"]
   verbs: ["get", "list", "watch"]
 - apiGroups: ["tessera.dev"]
-  resources: ["inferenceclusters/status"]
-  verbs: ["get", "patch", "update"]
+  resources: ["inferenceclusters/status", "inferenceclusters/scale"]
+  verbs: ["patch"]
 - apiGroups: ["tessera.dev"]
   resources: ["inferenceclusters/finalizers"]
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["list", "watch", "create", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "update", "delete"]
+  verbs: ["list", "watch", "create", "update", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]

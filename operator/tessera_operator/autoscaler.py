@@ -1,0 +1,122 @@
+"""Queue-depth autoscaling of replica groups: pure decisions, the rules users know from the HPA.
+
+Each sample is the `tessera:num_requests_waiting` gauge of every Ready leader. The recommendation
+is the HPA's for an average-value target: enough groups that each would have `targetQueueDepth`
+requests waiting (within a 10% tolerance, no change). Groups that could not be measured (still
+starting, or their leader did not answer) count as at the target, so they never make a scale-down
+look safe. A scale-down takes the highest recommendation of the stabilization window (a burst's
+gap does not drop groups that take a minute to load); a scale-up is immediate but at most doubles
+the groups (or adds 4) per decision, as the HPA's default policy does.
+
+The history lives in the operator's memory, as the HPA's does; a new operator process starts each
+cluster's window with its current replicas, so a restart never scales down early.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tessera_operator.api import AutoscalingSpec
+
+TOLERANCE = 0.1
+SCALE_UP_FACTOR = 2
+SCALE_UP_MIN_STEP = 4
+
+
+@dataclass(frozen=True)
+class QueueSample:
+    """Requests waiting at the leaders that answered, and how many groups did not."""
+
+    waiting: float
+    measured: int
+    unmeasured: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    recommendation: int  # before stabilization and limits
+    reason: str
+
+
+@dataclass
+class History:
+    """One cluster's past recommendations (time, replicas), oldest first."""
+
+    recommendations: list[tuple[float, int]] = field(default_factory=list)
+    last_sample: float | None = None
+
+    def record(self, now: float, replicas: int, window: float) -> int:
+        """Adds `replicas` and returns the highest recommendation within `window` seconds."""
+        self.recommendations = [(t, r) for t, r in self.recommendations if t >= now - window]
+        self.recommendations.append((now, replicas))
+        return max(r for _, r in self.recommendations)
+
+
+def parse_gauge(text: str, metric: str) -> float | None:
+    """The sum of `metric`'s samples in a Prometheus text exposition, or None if it has none."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(metric) or line.startswith("#"):
+            continue
+        name_end = len(metric)
+        if len(line) > name_end and line[name_end] not in " {":
+            continue  # another metric whose name starts with this one
+        rest = line[name_end:]
+        if rest.startswith("{"):
+            rest = rest.rsplit("}", 1)[-1]
+        value = rest.split()  # the value, then an optional timestamp
+        try:
+            total += float(value[0])
+        except (IndexError, ValueError):
+            continue
+        found = True
+    return total if found else None
+
+
+def sample_of(depths: Iterable[float | None], groups: int) -> QueueSample:
+    """`depths`: one per Ready leader (None: no answer); `groups`: the groups that exist."""
+    measured = [d for d in depths if d is not None]
+    return QueueSample(sum(measured), len(measured), max(groups - len(measured), 0))
+
+
+def recommend(spec: AutoscalingSpec, current: int, sample: QueueSample) -> tuple[int, str]:
+    """Groups wanted for `sample`, before bounds, stabilization and rate limits."""
+    target = spec.target_queue_depth
+    if sample.measured == 0:
+        return current, "no Ready leader to measure"
+    average = sample.waiting / sample.measured
+    described = (
+        f"{sample.waiting:g} requests waiting at {sample.measured} Ready group(s) "
+        f"(target {target:g} per group)"
+    )
+    if abs(average / target - 1) <= TOLERANCE:
+        return current, described
+    wanted = math.ceil(sample.waiting / target - 1e-9)
+    if wanted < current:
+        wanted += sample.unmeasured  # a group that could not speak is assumed at the target
+    return wanted, described
+
+
+def decide(
+    spec: AutoscalingSpec, current: int, sample: QueueSample, history: History, now: float
+) -> Decision:
+    """The replicas to set now; `history` records this recommendation."""
+    wanted, reason = recommend(spec, current, sample)
+    bounded = min(max(wanted, spec.min_replicas), spec.max_replicas)
+    stabilized = history.record(now, bounded, spec.scale_down_stabilization_seconds)
+    history.last_sample = now
+    if bounded > current:
+        limit = max(current * SCALE_UP_FACTOR, current + SCALE_UP_MIN_STEP)
+        return Decision(min(bounded, limit), wanted, reason)
+    # Down only to the window's highest recommendation, and never above maxReplicas.
+    desired = max(bounded, min(stabilized, current))
+    return Decision(min(desired, spec.max_replicas), wanted, reason)
+
+
+def seed(history: History, now: float, current: int) -> None:
+    """A cluster seen first: its current replicas hold the scale-down window from now."""
+    if not history.recommendations:
+        history.recommendations.append((now, current))

@@ -1,0 +1,178 @@
+"""The queue-depth autoscaler: its pure rules, the /metrics reader on real sockets, and the
+reconciler setting replicas through the scale subresource (the genuine API server and runtime are
+in tests/integration/test_operator_autoscaling.py and tests/e2e)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tessera_operator.api import AutoscalingSpec
+from tessera_operator.autoscaler import History, QueueSample, decide, parse_gauge, recommend, sample_of, seed
+from tessera_operator.queue_metrics import metrics_url, queue_depths
+from tessera_operator.reconcile import Reconciler
+from tests.operator.test_reconcile_unit import IC_PATH, fake_with_cluster
+
+METRIC = "tessera:num_requests_waiting"
+EXPOSITION = """# HELP tessera:num_requests_waiting Requests waiting to be scheduled.
+# TYPE tessera:num_requests_waiting gauge
+tessera:num_requests_waiting{model_name="smollm2"} 5.0
+tessera:num_requests_waiting_total 99
+tessera:num_requests_running{model_name="smollm2"} 2.0
+"""
+
+
+def spec(**fields: Any) -> AutoscalingSpec:
+    return AutoscalingSpec.model_validate({"enabled": True, "minReplicas": 1, "maxReplicas": 8, **fields})
+
+
+def test_the_gauge_is_read_by_exact_name_and_summed_over_its_samples() -> None:
+    assert parse_gauge(EXPOSITION, METRIC) == 5.0
+    two = EXPOSITION + 'tessera:num_requests_waiting{model_name="other"} 3\n'
+    assert parse_gauge(two, METRIC) == 8.0
+    assert parse_gauge(f"{METRIC} 4 1700000000000\n", METRIC) == 4.0  # no labels, a timestamp
+    assert parse_gauge("tessera:num_requests_running 1\n", METRIC) is None
+    assert parse_gauge("tessera:num_requests_waiting NaNx\n", METRIC) is None
+
+
+def test_scale_up_asks_for_enough_groups_for_the_target_and_is_immediate() -> None:
+    history = History()
+    seed(history, 0.0, 1)
+    decision = decide(
+        spec(targetQueueDepth=8), 1, QueueSample(waiting=20, measured=1, unmeasured=0), history, 1.0
+    )
+    assert (decision.desired, decision.recommendation) == (3, 3)
+    assert "20 requests waiting at 1 Ready group(s)" in decision.reason
+
+
+def test_scale_up_at_most_doubles_or_adds_four_and_stops_at_max_replicas() -> None:
+    sample = QueueSample(waiting=400, measured=1, unmeasured=0)
+    assert decide(spec(targetQueueDepth=1, maxReplicas=256), 1, sample, History(), 0.0).desired == 5
+    assert decide(spec(targetQueueDepth=1, maxReplicas=256), 10, sample, History(), 0.0).desired == 20
+    assert decide(spec(targetQueueDepth=1, maxReplicas=3), 1, sample, History(), 0.0).desired == 3
+
+
+def test_within_the_tolerance_nothing_changes() -> None:
+    assert recommend(spec(targetQueueDepth=8), 2, QueueSample(waiting=17, measured=2, unmeasured=0))[0] == 2
+    assert recommend(spec(targetQueueDepth=8), 2, QueueSample(waiting=19, measured=2, unmeasured=0))[0] == 3
+
+
+def test_scale_down_waits_for_the_stabilization_window() -> None:
+    settings = spec(targetQueueDepth=4, scaleDownStabilizationSeconds=60)
+    idle = QueueSample(waiting=0, measured=3, unmeasured=0)
+    history = History()
+    seed(history, 0.0, 3)
+    assert decide(settings, 3, idle, history, 10.0).desired == 3  # the seed is still in the window
+    assert decide(settings, 3, QueueSample(waiting=8, measured=3, unmeasured=0), history, 30.0).desired == 3
+    assert decide(settings, 3, idle, history, 65.0).desired == 2  # (30 s, 2) is the window's highest
+    assert decide(settings, 2, idle, history, 95.0).desired == 1
+
+
+def test_groups_that_could_not_be_measured_count_as_at_the_target_when_scaling_down() -> None:
+    settings = spec(targetQueueDepth=4, scaleDownStabilizationSeconds=0)
+    assert decide(settings, 3, sample_of([0.0, None], 3), History(), 0.0).desired == 2
+    # ... but never hold back a scale-up: the queue that was measured is real.
+    assert decide(settings, 3, sample_of([40.0, None], 3), History(), 0.0).desired == 7
+
+
+def test_without_any_measurement_only_the_bounds_apply() -> None:
+    nothing = sample_of([], 4)
+    assert decide(spec(maxReplicas=8), 4, nothing, History(), 0.0).desired == 4
+    assert decide(spec(maxReplicas=2), 4, nothing, History(), 0.0).desired == 2  # above max: down now
+    assert decide(spec(minReplicas=3), 1, nothing, History(), 0.0).desired == 3
+
+
+def test_min_replicas_must_leave_a_queue_to_measure() -> None:
+    with pytest.raises(ValueError, match=r"min_replicas|minReplicas"):
+        AutoscalingSpec.model_validate({"enabled": True, "minReplicas": 0})
+
+
+def leader_pod(ip: str | None, port: int) -> dict[str, Any]:
+    return {
+        "spec": {
+            "containers": [
+                {"ports": [{"name": "dist", "containerPort": 1}, {"name": "http", "containerPort": port}]}
+            ]
+        },
+        "status": {"podIP": ip} if ip else {},
+    }
+
+
+def test_the_metrics_url_is_the_leaders_http_port() -> None:
+    assert metrics_url(leader_pod("10.1.2.3", 8000)) == "http://10.1.2.3:8000/metrics"
+    assert metrics_url(leader_pod("fd00::5", 8001)) == "http://[fd00::5]:8001/metrics"
+    assert metrics_url(leader_pod(None, 8000)) is None
+
+
+@pytest.fixture
+async def metrics_server() -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """A real HTTP server on 127.0.0.1 whose /metrics answers what the test sets."""
+    answer: dict[str, Any] = {"status": 200, "body": EXPOSITION}
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(status=answer["status"], text=answer["body"])
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield port, answer
+    await runner.cleanup()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_leaders_that_do_not_answer_are_unmeasured_not_idle(
+    metrics_server: tuple[int, dict[str, Any]],
+) -> None:
+    port, answer = metrics_server
+    leaders = [leader_pod("127.0.0.1", port), leader_pod("127.0.0.1", closed_port()), leader_pod(None, port)]
+    assert await queue_depths(leaders, METRIC) == [5.0, None, None]
+    answer["status"] = 503
+    assert await queue_depths(leaders[:1], METRIC) == [None]
+
+
+async def test_a_pass_samples_ready_leaders_and_scales_through_the_scale_subresource(
+    metrics_server: tuple[int, dict[str, Any]],
+) -> None:
+    port, answer = metrics_server
+    answer["body"] = f"{METRIC} 7\n"
+    autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2}
+    client = fake_with_cluster(replicas=1, autoscaling=autoscaling)
+    now = [1000.0]
+    reconciler = Reconciler(client, clock=lambda: now[0], autoscale_interval=15)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")  # creates the pods; no leader is Ready yet
+    status = client.objects[IC_PATH]["status"]["autoscaling"]
+    assert status["measuredReplicas"] == 0 and status["desiredReplicas"] == 1
+    assert not any(path.endswith("/scale") for _, path in client.calls)
+
+    leader = next(o for p, o in client.objects.items() if p.endswith("/pods/demo-g0-s0-t0"))
+    leader["spec"]["containers"][0]["ports"] = [{"name": "http", "containerPort": port}]
+    leader["status"] = {
+        "phase": "Running",
+        "podIP": "127.0.0.1",
+        "conditions": [{"type": "Ready", "status": "True"}],
+    }
+    now[0] += 5  # not due yet: the last sample is kept, nothing scraped
+    assert await reconciler.reconcile("ns", "demo") == pytest.approx(10)
+    assert client.objects[IC_PATH]["spec"]["replicas"] == 1
+
+    now[0] += 10
+    await reconciler.reconcile("ns", "demo")
+    assert client.objects[IC_PATH]["spec"]["replicas"] == 3  # 7 waiting / 2 per group, at most 3
+    status = client.objects[IC_PATH]["status"]["autoscaling"]
+    assert (status["queueDepth"], status["measuredReplicas"], status["desiredReplicas"]) == (7.0, 1, 3)
+    assert status["lastScaleTime"] == status["lastSampleTime"]
+    [scaled] = [e for e in client.events if e["reason"] == "ScaledUp"]
+    assert scaled["type"] == "Normal" and scaled["message"].startswith("replicas 1 -> 3: 7 requests waiting")
