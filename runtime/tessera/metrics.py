@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tessera.engine.messages import SchedulerStats
+from tessera.engine.messages import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SchedulerStats
 
 PREFIX = "tessera:"
 
@@ -54,6 +54,14 @@ class EngineMetrics:
             "request_queue_time_seconds", "Time waiting before the first step.", _REQUEST_BUCKETS
         )
         self.model_name = model_name
+        # Every series exists from start-up at 0, as vLLM's: a scraper (or the operator's
+        # autoscaler) reads an idle server's queue as 0, not as "no data".
+        for metric in (self._running, self._waiting, self._kv_usage, self._prompt_tokens,
+                       self._generation_tokens, self._preemptions, self._prefix_queries,
+                       self._prefix_hits, self._ttft, self._itl, self._e2e, self._queue):  # fmt: skip
+            metric.labels(model_name)
+        for reason in (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR):
+            self._success.labels(model_name, reason)
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         m = self.model_name

@@ -11,6 +11,8 @@ import pytest
 from tests.serving.checks import assert_openai_error
 from tests.serving.server import MODEL_NAME, ServerProcess
 
+USER = [{"role": "user", "content": "x"}]
+
 
 @pytest.mark.parametrize(
     ("path", "body", "param"),
@@ -34,6 +36,20 @@ from tests.serving.server import MODEL_NAME, ServerProcess
             {"messages": [{"role": "user", "content": "x"}], "presence_penalty": 5},
             None,
         ),
+        # More than the context leaves (--max-model-len 128): refused, never silently cut short.
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 200}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 500}, "max_completion_tokens"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+        # What the server cannot do is refused, never ignored.
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
     ],
 )
 def test_invalid_parameters_are_400(
@@ -93,3 +109,35 @@ def test_health_and_metrics_need_no_key(server: ServerProcess) -> None:
 
 def test_unknown_route_is_openai_404(server: ServerProcess) -> None:
     assert_openai_error(httpx.get(f"{server.base_url}/v1/nothing-here", headers=server.headers), 404)
+
+
+def test_answers_name_the_alias_the_client_asked_for() -> None:
+    from tessera.entrypoints.serving_common import APIError, ServingContext
+
+    ctx = ServingContext(engine=None, served_model_names=["alpha", "beta"])  # type: ignore[arg-type]
+    assert (ctx.check_model("beta"), ctx.check_model("alpha"), ctx.check_model(None)) == (
+        "beta",
+        "alpha",
+        "alpha",
+    )
+    with pytest.raises(APIError) as unknown:
+        ctx.check_model("gamma")
+    assert unknown.value.status == 404 and unknown.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("loc", "param"),
+    [
+        (("body", "prompt", "str"), "prompt"),
+        (("body", "prompt", "list[constrained-int]", 1), "prompt[1]"),
+        (
+            ("body", "messages", 0, "content", "list[TextContentPart]", 0, "TextContentPart", "type"),
+            "messages[0].content[0].type",
+        ),
+        (("body",), None),
+    ],
+)
+def test_an_invalid_field_is_named_as_the_request_spells_it(loc: tuple[Any, ...], param: str | None) -> None:
+    from tessera.entrypoints.api_server import param_of
+
+    assert param_of(loc) == param

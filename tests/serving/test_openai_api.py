@@ -258,3 +258,48 @@ def test_metrics_names_mirror_vllm(server: ServerProcess) -> None:
     ):
         assert f"tessera:{name}" in text, name
     assert (metric_value(text, "tessera:generation_tokens_total") or 0) > 0
+
+
+def test_null_means_the_default(client: openai.OpenAI) -> None:
+    """The SDK sends None as null; OpenAI and vLLM read it as the default."""
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="Hello", max_tokens=2, n=None, echo=None, stream=None, temperature=None
+    )
+    assert len(completion.choices) == 1
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, n=None, logprobs=None
+    )
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+
+
+def test_echo_of_token_ids_is_their_text(client: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    prompt_ids = list(tokenizer("Once upon a time", add_special_tokens=False)["input_ids"])
+    prompt_text = tokenizer.decode(prompt_ids)
+    assert prompt_text.startswith("Once upon")
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt=prompt_ids, max_tokens=2, temperature=0, echo=True
+    )
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt_ids, max_tokens=2, temperature=0)
+    assert echoed.choices[0].text == prompt_text + plain.choices[0].text
+    streamed = client.completions.create(
+        model=MODEL_NAME, prompt=prompt_ids, max_tokens=2, temperature=0, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+
+
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    completion_tokens = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 4

@@ -57,13 +57,27 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def param_of(loc: Any) -> str | None:
+    """pydantic's error location as the request spells it: `messages[0].content`, without the
+    union branch pydantic tried (`str`, `list[str]`, `TextContentPart`, ...)."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part != "body" and part.isidentifier() and part.islower() and part not in _UNION_TAGS:
+            param += f".{part}" if param else part
+    return param or None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    param = param_of(first.get("loc", ()))
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {message}", None

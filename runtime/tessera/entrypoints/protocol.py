@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tessera.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
 
@@ -39,7 +39,16 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 class RequestModel(OpenAIModel):
-    """A model of request input: all its text must be valid Unicode (tokenizers and JSON need it)."""
+    """A model of request input: all its text must be valid Unicode (tokenizers and JSON need it).
+
+    An explicit null means the default, as in OpenAI's API (its SDKs send `None` as null)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
@@ -121,6 +130,8 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameterError("stream_options", "stream_options can only be given with stream=true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -178,6 +189,8 @@ class CompletionRequest(SamplingFields):
             raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.suffix:
             raise InvalidParameterError("suffix", "suffix is not supported")
+        if self.echo and self.logprobs is not None:
+            raise InvalidParameterError("echo", "echo with logprobs (the prompt's logprobs) is not supported")
         return self._sampling_params(self.max_tokens, self.logprobs)
 
 
@@ -233,12 +246,32 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None
+    # Declared so that asking for them is refused (below), never silently ignored.
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.logit_bias:
             raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.tools:
             raise InvalidParameterError("tools", "tools are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise InvalidParameterError("tool_choice", "tool_choice needs tools, which are not supported")
+        for name in ("functions", "function_call", "audio", "prediction"):
+            if getattr(self, name):
+                raise InvalidParameterError(name, f"{name} is not supported")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            kind = self.response_format.get("type")
+            raise InvalidParameterError(
+                "response_format", f"response_format {kind!r} is not supported (text is)"
+            )
+        if self.modalities is not None and set(self.modalities) != {"text"}:
+            raise InvalidParameterError("modalities", "only the text modality is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens

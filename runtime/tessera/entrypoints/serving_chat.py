@@ -71,6 +71,8 @@ async def create_chat_completion(
         ) from exc
     # The template already holds the special tokens (BOS) it wants.
     token_ids = await ctx.engine.tokenize_async(prompt, add_special_tokens=False, param="messages")
+    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    ctx.check_context(len(token_ids), body.max_completion_tokens or body.max_tokens, asked)
     params = body.to_sampling_params(max(1, ctx.engine.max_model_len - len(token_ids)))
     ctx.check_admission(params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -121,11 +123,15 @@ async def _stream(
     top_n: int,
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    completion_tokens = 0
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
     def chunk(choice: ChatStreamChoice) -> str:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]))
+        usage = UsageInfo.of(num_prompt_tokens, completion_tokens) if continuous else None
+        return sse(
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=usage)
+        )
 
-    completion_tokens = 0
     try:
         for index in range(body.n):
             yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))

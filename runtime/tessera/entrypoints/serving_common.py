@@ -24,6 +24,7 @@ from tessera.sampling_params import InvalidParameterError, SamplingParams
 logger = logging.getLogger("tessera.api_server")
 
 T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned
 
 
 class APIError(Exception):
@@ -117,8 +118,11 @@ class ServingContext:
     limits: ServingLimits = field(default_factory=ServingLimits)
 
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.served_model_names:
+        """The name answers carry: the one the client asked for (any served alias), else the first."""
+        if model is None:
             return self.served_model_names[0]
+        if model in self.served_model_names:
+            return model
         raise APIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
 
     def check_params(
@@ -127,6 +131,18 @@ class ServingContext:
         """The request's caps and the model's bounds (token ids, logprobs), before any work."""
         self.limits.check(params, num_prompts, logprobs_param)
         self.engine.processor.check_params(params)
+
+    def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        """A completion must fit the context with its prompt: refused, never silently cut short."""
+        limit = self.engine.max_model_len
+        if max_tokens is not None and prompt_tokens + max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for "
+                f"the completion). Please reduce the prompt or {param}.",
+                HTTPStatus.BAD_REQUEST,
+                param=param,
+            )
 
     def check_admission(self, num_sequences: int) -> None:
         """503 while the engine is down, or when these sequences would overfill the waiting room.
@@ -168,7 +184,13 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         if not work_task.done():
             work_task.cancel()
         watcher.cancel()
-    return await work_task
+    try:
+        return await work_task
+    except asyncio.CancelledError:
+        if not watcher.done() or watcher.cancelled():
+            raise  # the server itself is cancelling this request
+        # Nobody reads this answer; it keeps the cancellation out of the server's error log.
+        raise APIError("the client disconnected", CLIENT_CLOSED_REQUEST) from None
 
 
 async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:

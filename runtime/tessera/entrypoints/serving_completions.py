@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tessera.engine.detokenizer import decode
 from tessera.engine.output_processor import RequestOutputKind
 from tessera.entrypoints.protocol import (
     CompletionChoice,
@@ -62,9 +63,16 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
         await ctx.engine.tokenize_async(p, param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
         for i, p in enumerate(prompts)
     ]
+    for ids in token_lists:
+        ctx.check_context(len(ids), params.max_tokens, "max_tokens")
     ctx.check_admission(len(prompts) * params.n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    texts = [p if isinstance(p, str) else None for p in prompts]
+    texts: list[str | None] = [p if isinstance(p, str) else None for p in prompts]
+    if body.echo:  # token-id prompts are echoed as their text
+        texts = [
+            t if t is not None else decode(ctx.engine.tokenizer, ids)
+            for t, ids in zip(texts, token_lists, strict=True)
+        ]
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     generators = [
         ctx.engine.generate(f"{request_id}-{i}", ids, params, texts[i], kind)
@@ -115,11 +123,16 @@ async def _stream(
     texts: list[str | None],
 ) -> AsyncIterator[str]:
     created = int(time.time())
+    prompt_tokens = sum(len(ids) for ids in token_lists)
     completion_tokens = 0
     text_offsets: dict[int, int] = {}
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
     def chunk(choice: CompletionChoice) -> str:
-        return sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
+        usage = UsageInfo.of(prompt_tokens, completion_tokens) if continuous else None
+        return sse(
+            CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage)
+        )
 
     if body.echo:
         for prompt_index, text in enumerate(texts):
@@ -145,6 +158,5 @@ async def _stream(
                 )
             )
     if body.stream_options is not None and body.stream_options.include_usage:
-        prompt_tokens = sum(len(ids) for ids in token_lists)
         usage = UsageInfo.of(prompt_tokens, completion_tokens)
         yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))
