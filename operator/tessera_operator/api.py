@@ -7,7 +7,7 @@ defaults can never disagree. Field names are camelCase on the wire.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -34,6 +34,7 @@ MAX_TOKENS = 2**24  # context lengths and token budgets
 MAX_DELAY_SECONDS = 7 * 24 * 3600  # restart delays: beyond this a timestamp is meaningless
 # Leading '-' would turn a model name into a command-line flag of `tessera serve`.
 NOT_A_FLAG = r"^[^-]"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"  # object names
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"  # Kubernetes' rule for environment variable names
 
 
@@ -143,6 +144,14 @@ class TemplateSpec(Wire):
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."
+    )
+    image_pull_secrets: list[Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]] = (
+        Field(
+            default_factory=list,
+            max_length=MAX_LIST_ITEMS,
+            description="Secrets (kubernetes.io/dockerconfigjson, in the cluster's namespace) the kubelet pulls "
+            "the image with; the pods cannot read them.",
+        )
     )
     resources: dict[str, Any] | None = free_form("Container resources (requests, limits) of every rank.")
     gpus_per_rank: int = Field(

@@ -260,6 +260,8 @@ def build_pod(
     }
     if template.node_selector:
         pod_spec["nodeSelector"] = dict(template.node_selector)
+    if template.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in template.image_pull_secrets]
     if template.tolerations:
         pod_spec["tolerations"] = copy.deepcopy(template.tolerations)
     affinity = affinity_for(spec, ref.name, group, stage)

@@ -39,10 +39,12 @@ def parse_spec(raw: dict[str, Any]) -> tuple[InferenceClusterSpec | None, list[F
     try:
         return InferenceClusterSpec.model_validate(raw), []
     except ValidationError as exc:
-        errors = [
-            FieldError("spec." + ".".join(str(p) for p in err["loc"]), err["msg"]) for err in exc.errors()
-        ]
-        return None, errors
+        return None, [FieldError(field_path(err["loc"]), err["msg"]) for err in exc.errors()]
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """pydantic's location as kubectl spells a field: spec.template.env[0].name."""
+    return "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
 
 
 def validate_name(name: str) -> list[FieldError]:

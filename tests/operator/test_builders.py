@@ -94,6 +94,7 @@ def test_template_fields_are_merged_and_gpus_added_per_rank() -> None:
     spec = spec_of(
         template={
             "image": "registry/runtime-cuda:1",
+            "imagePullSecrets": ["registry-creds"],
             "gpusPerRank": 1,
             "resources": {"limits": {"memory": "64Gi"}},
             "nodeSelector": {"gpu": "h100"},
@@ -112,6 +113,7 @@ def test_template_fields_are_merged_and_gpus_added_per_rank() -> None:
         "requests": {"nvidia.com/gpu": 1},
     }
     assert pod["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}]
     assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     env = env_dict(pod)
     assert env["HF_HOME"] == "/cache" and env["TESSERA_RANK"] == "2"  # the contract cannot be overridden

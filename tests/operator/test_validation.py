@@ -34,6 +34,8 @@ def test_valid_object_has_no_errors() -> None:
         ({"parallelism": {"tensor": 1, "pipeline": 31}}, "spec.parallelism.pipeline"),
         ({"rollout": {"maxUnavailable": 0, "maxSurge": 0}}, "spec.rollout.maxUnavailable"),
         ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
+        ({"autoscaling": {"enabled": True, "minReplicas": 0}}, "spec.autoscaling.minReplicas"),
+        ({"template": {"imagePullSecrets": ["Not A Name"]}}, "spec.template.imagePullSecrets[0]"),
         (
             {"restartPolicy": {"backoffBaseSeconds": 60, "backoffMaxSeconds": 10}},
             "spec.restartPolicy.backoffBaseSeconds",
@@ -128,7 +130,7 @@ TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path
         ),
         ({"template": {"nodeSelector": {"bad key": "x"}}}, "spec.template.nodeSelector[bad key]"),
         ({"template": {"image": "registry/runtime cpu:1"}}, "spec.template.image"),
-        ({"template": {"env": [{"name": "A B", "value": "1"}]}}, "spec.template.env.0.name"),
+        ({"template": {"env": [{"name": "A B", "value": "1"}]}}, "spec.template.env[0].name"),
         ({"template": {"env": [{"name": f"V{i}", "value": "1"} for i in range(300)]}}, "spec.template.env"),
         ({"template": {"gpuResourceName": "nvidia gpu"}}, "spec.template.gpuResourceName"),
         ({"placement": {"topologyKey": "-zone"}}, "spec.placement.topologyKey"),
