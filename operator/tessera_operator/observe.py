@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera_operator import naming
+from tessera_operator.timeutil import from_rfc3339
 
 GROUP_SIZE_ANNOTATION = "tessera.dev/group-size"
 
@@ -23,6 +24,8 @@ class GroupObservation:
     index: int
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     terminating: list[str] = field(default_factory=list)
+    # The earliest deletionTimestamp among them: when the first one's grace period ran out.
+    terminating_deadline: float | None = None
 
     @property
     def revisions(self) -> set[str]:
@@ -134,6 +137,11 @@ def observe(cluster: str, uid: str, pods: Iterable[dict[str, Any]]) -> Observati
         obs = groups.setdefault(group, GroupObservation(group))
         if meta.get("deletionTimestamp"):
             obs.terminating.append(meta["name"])
+            deadline = from_rfc3339(meta["deletionTimestamp"])
+            if deadline is not None and (
+                obs.terminating_deadline is None or deadline < obs.terminating_deadline
+            ):
+                obs.terminating_deadline = deadline
         else:
             obs.pods[meta["name"]] = pod
     return Observation(groups, strays)

@@ -17,6 +17,11 @@ from tessera_operator.rollout import GroupState, choose_replacements, surge_coun
 from tessera_operator.timeutil import to_rfc3339
 
 WAIT_FOR_DELETION_SECONDS = 1.0
+# Past its grace period by this much, a pod still Terminating is most likely on a node that is
+# gone: it stays until the node returns or someone force-deletes it, and its group must wait
+# (the replacement takes the same name, as a StatefulSet's does). Say so, and look less often.
+STUCK_TERMINATING_SECONDS = 60.0
+WAIT_FOR_STUCK_SECONDS = 15.0
 
 
 @dataclass
@@ -99,7 +104,10 @@ def _plan_group(
         wait = seconds_until_restart(status, now)
         if wait > 0 or obs.pods or obs.terminating:
             result.delete_pods += sorted(obs.pods)
-            result.requeue(wait if wait > 0 else WAIT_FOR_DELETION_SECONDS)
+            if wait > 0:
+                result.requeue(wait)
+            else:
+                await_deletion(obs, now, result)
             return status.model_copy(update={"pods": len(obs.pods), "ready": False})
         result.create_groups.append(index)
         result.events.append(
@@ -130,7 +138,7 @@ def _plan_group(
             if not obs.terminating:
                 result.create_groups.append(index)
             else:
-                result.requeue(WAIT_FOR_DELETION_SECONDS)
+                await_deletion(obs, now, result)
             return status.model_copy(
                 update={
                     "phase": "Updating",
@@ -165,7 +173,7 @@ def _plan_group(
             return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
         result.create_groups.append(index)
         if obs.terminating:
-            result.requeue(WAIT_FOR_DELETION_SECONDS)
+            await_deletion(obs, now, result)
         return status.model_copy(
             update={
                 "phase": "Pending",
@@ -188,4 +196,23 @@ def _plan_group(
             "ready_since": ready_since,
             "next_restart_time": None,
         }
+    )
+
+
+def await_deletion(obs: GroupObservation, now: float, result: Plan) -> None:
+    """Look again soon for the group's terminating pods; warn when they outlive their grace period."""
+    deadline = obs.terminating_deadline
+    if deadline is None or now - deadline < STUCK_TERMINATING_SECONDS:
+        result.requeue(WAIT_FOR_DELETION_SECONDS)
+        return
+    result.requeue(WAIT_FOR_STUCK_SECONDS)
+    names = ", ".join(sorted(obs.terminating))
+    result.events.append(
+        Event(
+            "Warning",
+            "PodsStuckTerminating",
+            f"group {obs.index} waits for {names} to terminate, past its grace period: a pod on an "
+            "unreachable node stays until the node is back or the pod is force-deleted "
+            "(kubectl delete pod NAME --grace-period=0 --force)",
+        )
     )

@@ -1,7 +1,15 @@
 """Reconciliation decisions on a pure simulation: creation, idempotence, restart, scale, rollout."""
 
+import copy
+
 from tessera_operator.api import RestartPolicySpec
+from tessera_operator.planner import (
+    STUCK_TERMINATING_SECONDS,
+    WAIT_FOR_DELETION_SECONDS,
+    WAIT_FOR_STUCK_SECONDS,
+)
 from tessera_operator.restart import backoff_seconds
+from tessera_operator.timeutil import to_rfc3339
 from tests.operator.sim import Sim, spec_of
 
 
@@ -168,3 +176,26 @@ def test_backoff_formula() -> None:
 def test_a_long_crash_loop_does_not_overflow_the_backoff() -> None:
     policy = RestartPolicySpec(backoffBaseSeconds=10, backoffMaxSeconds=300)
     assert backoff_seconds(2000, policy) == 300  # 2.0**1999 would raise OverflowError every pass
+
+
+def test_a_group_waits_for_a_pod_stuck_terminating_and_says_why() -> None:
+    """A pod on a node that is gone stays Terminating: its group cannot be recreated under the same
+    names, so the operator warns (and looks less often) once the grace period is long past."""
+    sim = Sim(spec_of(restartPolicy={"backoffBaseSeconds": 2, "backoffMaxSeconds": 5}))
+    sim.converge()
+    stuck = copy.deepcopy(sim.pods["demo-g0-s1-t1"])
+    sim.fail("demo-g0-s1-t0")
+    sim.step()  # the group is deleted; one of its pods never goes away
+    stuck["metadata"]["deletionTimestamp"] = to_rfc3339(sim.now + 30)  # its 30 s grace period
+    sim.pods[stuck["metadata"]["name"]] = stuck
+    sim.now += 10
+    decision = sim.step()
+    assert decision.create_groups == [] and decision.requeue_after == WAIT_FOR_DELETION_SECONDS
+    assert decision.events == []
+    sim.now += 30 + STUCK_TERMINATING_SECONDS
+    decision = sim.step()
+    assert decision.create_groups == [] and decision.requeue_after == WAIT_FOR_STUCK_SECONDS
+    [warning] = decision.events
+    assert warning.reason == "PodsStuckTerminating" and "demo-g0-s1-t1" in warning.message
+    del sim.pods["demo-g0-s1-t1"]  # force-deleted
+    assert sim.step().create_groups == [0]
