@@ -294,7 +294,9 @@ class GroupStatus(Wire):
 
 
 class Condition(Wire):
-    type: Literal["Ready", "Progressing", "Degraded"] = Field(description="Condition type.")
+    type: Literal["Ready", "Progressing", "Degraded", "Reconciling", "Stalled"] = Field(
+        description="Condition type (Reconciling and Stalled are kstatus', which Flux and kpt read)."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="Condition status.")
     reason: str = Field(default="", description="CamelCase reason.")
     message: str = Field(default="", description="Human-readable detail.")
@@ -329,7 +331,9 @@ class InferenceClusterStatus(Wire):
         default=None, description="OpenAI-compatible base URL of the client Service."
     )
     groups: list[GroupStatus] = Field(default_factory=list, description="Per-group state.")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing, Degraded; Reconciling and Stalled for kstatus."
+    )
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="The queue-depth autoscaler's last sample and decision."
     )

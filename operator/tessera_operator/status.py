@@ -67,6 +67,37 @@ def _degraded(groups: list[GroupStatus]) -> Condition:
     return Condition(type="Degraded", status="True", reason="GroupRestarting", message="; ".join(parts))
 
 
+# Degraded reasons that no amount of waiting fixes: a person must change the spec or the cluster.
+STALLED_REASONS = frozenset({"InvalidSpec", "ReconcileError", "FailedCreate", "FailedDelete", "FailedScale"})
+
+
+def with_kstatus(conditions: list[Condition], generation: int | None, now: float) -> list[Condition]:
+    """Adds kstatus' abnormal-true conditions, the only ones GitOps tools (Flux's health checks, kpt,
+    cli-utils) read on a custom resource: Stalled while a person must act (the Degraded reasons
+    above), else Reconciling while the cluster moves toward its spec (Progressing, or not Ready)."""
+    by_type = {c.type: c for c in conditions}
+    degraded, ready, progressing = by_type.get("Degraded"), by_type.get("Ready"), by_type.get("Progressing")
+    stalled = (
+        degraded if degraded and degraded.status == "True" and degraded.reason in STALLED_REASONS else None
+    )
+    moving = None
+    if stalled is None:
+        if progressing and progressing.status == "True":
+            moving = progressing
+        elif ready and ready.status != "True" and ready.reason != "ScaledToZero":
+            moving = ready
+    for kind, cause in (("Stalled", stalled), ("Reconciling", moving)):
+        condition = Condition(
+            type=kind,  # type: ignore[arg-type]
+            status="True" if cause else "False",
+            reason=cause.reason if cause else "AsExpected",
+            message=cause.message if cause else "",
+            observed_generation=generation,
+        )
+        conditions = set_condition(conditions, condition, now)
+    return conditions
+
+
 def build_status(
     cluster: str,
     generation: int | None,
@@ -99,6 +130,7 @@ def build_status(
         conditions = set_condition(
             conditions, condition.model_copy(update={"observed_generation": generation}), now
         )
+    conditions = with_kstatus(conditions, generation, now)
     return InferenceClusterStatus(
         observed_generation=generation,
         replicas=len(live),
@@ -123,7 +155,7 @@ def degraded_status(
     return status.model_copy(
         update={
             "observed_generation": generation,
-            "conditions": set_condition(status.conditions, condition, now),
+            "conditions": with_kstatus(set_condition(status.conditions, condition, now), generation, now),
         }
     )
 

@@ -30,10 +30,13 @@ def test_ready_comes_from_the_leader_probe_not_from_running_pods() -> None:
     assert sim.status.ready_replicas == 0
     assert sim.condition("Ready").status == "False"
     assert sim.status.groups[0].phase == "Starting"
+    # kstatus (Flux's health checks): still reconciling while no group is Ready, then Current.
+    assert sim.condition("Reconciling").status == "True" and sim.condition("Stalled").status == "False"
     sim.run_all(ready=True)
     sim.step()
     assert sim.status.ready_replicas == 1 and sim.condition("Ready").status == "True"
     assert sim.condition("Progressing").status == "False"
+    assert sim.condition("Reconciling").status == "False" and sim.condition("Stalled").status == "False"
     assert sim.status.groups[0].phase == "Ready"
 
 

@@ -130,8 +130,12 @@ async def test_drifted_service_is_repaired_and_invalid_spec_is_reported_not_acte
     bad = fake_with_cluster(parallelism={"tensor": 1, "pipeline": 2, "sequenceParallel": True})
     reconciler = Reconciler(bad, clock=lambda: 1000.0)  # type: ignore[arg-type]
     assert await reconciler.reconcile("ns", "demo") is None
-    [degraded] = bad.objects[IC_PATH]["status"]["conditions"]
+    conditions = {c["type"]: c for c in bad.objects[IC_PATH]["status"]["conditions"]}
+    degraded = conditions["Degraded"]
     assert degraded["reason"] == "InvalidSpec" and "spec.parallelism.sequenceParallel" in degraded["message"]
+    # kstatus (Flux, kpt): stalled until a person fixes the spec, not still reconciling.
+    assert (conditions["Stalled"]["status"], conditions["Stalled"]["reason"]) == ("True", "InvalidSpec")
+    assert conditions["Reconciling"]["status"] == "False"
     assert not [p for p in bad.objects if "/pods/" in p]
 
 
