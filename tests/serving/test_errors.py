@@ -102,8 +102,20 @@ def test_missing_or_wrong_api_key_is_401(server: ServerProcess, key: str | None)
         client.models.list()
 
 
+def test_the_key_is_checked_before_the_body_and_its_scheme_in_any_case(server: ServerProcess) -> None:
+    url = f"{server.base_url}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
+    assert (
+        httpx.post(url, json=body, headers={"Authorization": f"bearer {server.api_key}"}).status_code == 200
+    )
+    # Over the 8 MiB body limit, without a key: 401, decided before the body is read.
+    oversized = b'{"prompt": "' + b"x" * (9 << 20) + b'"}'
+    assert_openai_error(httpx.post(url, content=oversized, headers={"content-type": "application/json"}), 401)
+
+
 def test_health_and_metrics_need_no_key(server: ServerProcess) -> None:
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.head(f"{server.base_url}/health").status_code == 200  # load balancers probe with HEAD
     assert httpx.get(f"{server.base_url}/metrics").status_code == 200
 
 

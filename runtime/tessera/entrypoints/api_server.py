@@ -119,6 +119,11 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
         error = APIError.of(exc)
         return error_response(error.message, error.status, error.param, error.headers)
 
+    # The last middleware added runs first: the API key is checked before a body is even read.
+    limits = ctx.limits
+    app.add_middleware(
+        BodyGuard, max_body_size=limits.max_request_body_size, max_json_depth=limits.max_json_depth
+    )
     if api_key:
 
         @app.middleware("http")
@@ -126,13 +131,14 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
             request: Request, call_next: Callable[[Request], Awaitable[Response]]
         ) -> Response:
             if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                expected = f"Bearer {api_key}"
-                if not hmac.compare_digest(given.encode(), expected.encode()):
+                scheme, _, token = request.headers.get("authorization", "").partition(" ")
+                # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
+                valid = hmac.compare_digest(token.strip().encode(), api_key.encode())
+                if scheme.lower() != "bearer" or not valid:
                     return error_response("invalid or missing API key", HTTPStatus.UNAUTHORIZED)
             return await call_next(request)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if engine.is_healthy:
             return Response(status_code=200)
@@ -159,10 +165,6 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Any:
         return await create_chat_completion(ctx, body, raw_request)
 
-    limits = ctx.limits
-    app.add_middleware(
-        BodyGuard, max_body_size=limits.max_request_body_size, max_json_depth=limits.max_json_depth
-    )
     return app
 
 
