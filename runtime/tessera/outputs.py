@@ -34,3 +34,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob given the tokens before it
+    # (None for the first), with the top alternatives, as vLLM's. Streaming: in the first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -16,6 +16,7 @@ from tessera.outputs import CompletionOutput
 from tests.engine.test_llm_greedy import StatsRecorder
 
 NEAR_TIE = 1e-4
+PROMPT_LOGPROB_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -39,6 +40,7 @@ def token_prompts(count: int, vocab: int, min_len: int, max_len: int, seed: int 
 class Run:
     outputs: list[CompletionOutput]
     preemptions: int
+    prompt_logprobs: list[list[float]]  # per request (when asked for): each prompt token's after the first
 
 
 def run(model: str, workload: Workload, **layout: Any) -> Run:
@@ -46,7 +48,15 @@ def run(model: str, workload: Workload, **layout: Any) -> Run:
     try:
         recorder = StatsRecorder(llm)
         results = llm.generate(workload.prompts, workload.params)
-        return Run([r.outputs[0] for r in results], recorder.preemptions)
+        prompt_logprobs = [
+            [
+                entry[token].logprob
+                for entry, token in zip(r.prompt_logprobs[1:], r.prompt_token_ids[1:], strict=True)
+            ]
+            for r in results
+            if r.prompt_logprobs is not None
+        ]
+        return Run([r.outputs[0] for r in results], recorder.preemptions, prompt_logprobs)
     finally:
         llm.engine.shutdown()
 
@@ -54,6 +64,18 @@ def run(model: str, workload: Workload, **layout: Any) -> Run:
 def top_two_gap(entry: dict[int, Any]) -> float:
     ranked = sorted((lp.logprob for lp in entry.values() if lp.rank in (1, 2)), reverse=True)
     return ranked[0] - ranked[1]
+
+
+def compare_prompt_logprobs(reference: Run, candidate: Run, label: str) -> None:
+    """The prompts' logprobs agree within fp32 reassociation (the TP shards sum in another order)."""
+    assert len(candidate.prompt_logprobs) == len(reference.prompt_logprobs)
+    for index, (ref, got) in enumerate(
+        zip(reference.prompt_logprobs, candidate.prompt_logprobs, strict=True)
+    ):
+        worst = max((abs(a - b) for a, b in zip(ref, got, strict=True)), default=0.0)
+        assert worst < PROMPT_LOGPROB_TOLERANCE, (
+            f"{label}: request {index}'s prompt logprobs differ by {worst:.1e}"
+        )
 
 
 def compare(reference: list[CompletionOutput], candidate: list[CompletionOutput], label: str) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tessera import SamplingParams
-from tests.distributed.equivalence import Run, Workload, compare, run, token_prompts
+from tests.distributed.equivalence import Run, Workload, compare, compare_prompt_logprobs, run, token_prompts
 from tests.engine.test_llm_greedy import prompts_of_varied_lengths
 
 TINY_LAYOUTS = [
@@ -43,7 +43,7 @@ def label(layout: dict[str, object]) -> str:
 # 24 blocks of 16 tokens cannot hold them all at once, so the newest are preempted.
 TINY_WORKLOAD = Workload(
     prompts=token_prompts(10, vocab=512, min_len=3, max_len=70),
-    params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+    params=SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1),
     engine_args={"max_num_batched_tokens": 48, "num_kv_blocks": 24, "max_model_len": 160, "max_num_seqs": 16},
 )
 SMOLLM2_WORKLOAD = Workload(
@@ -79,5 +79,9 @@ def test_layout_matches_single_rank(
 ) -> None:
     model = str(request.getfixturevalue(model_fixture))
     result = run(model, workload, **layout)
-    for near_tie in compare(reference_for(model, workload).outputs, result.outputs, label(layout)):
+    reference = reference_for(model, workload)
+    for near_tie in compare(reference.outputs, result.outputs, label(layout)):
         print("accepted near-tie:", near_tie)
+    if workload.params.prompt_logprobs is not None:
+        assert len(reference.prompt_logprobs) == len(workload.prompts)
+        compare_prompt_logprobs(reference, result, label(layout))

@@ -27,3 +27,12 @@ def hf_greedy(
             )
             results.append(out[0, len(prompt) :].tolist())
     return results
+
+
+def hf_prompt_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1] float32: each prompt token's logprob given the tokens before it."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    model.eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1)

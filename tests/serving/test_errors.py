@@ -40,7 +40,7 @@ USER = [{"role": "user", "content": "x"}]
         ("/v1/completions", {"prompt": "hi", "max_tokens": 200}, "max_tokens"),
         ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 500}, "max_completion_tokens"),
         ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
         # What the server cannot do is refused, never ignored.
         (
             "/v1/chat/completions",

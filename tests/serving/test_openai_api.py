@@ -303,3 +303,41 @@ def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client: ope
     assert all(c.usage is not None for c in chunks)
     completion_tokens = [c.usage.completion_tokens for c in chunks if c.usage is not None]
     assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 4
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client: openai.OpenAI) -> None:
+    """What lm-eval-harness asks for: the prompt's tokens with their logprobs (the first has none),
+    then the completion's; with max_tokens 0 the prompt alone."""
+    prompt = "The quick brown fox jumps over"
+    plain = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=2
+    )
+    echoed = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True
+    )
+    assert plain.usage is not None and echoed.usage is not None
+    num_prompt = echoed.usage.prompt_tokens
+    choice, lp = echoed.choices[0], echoed.choices[0].logprobs
+    assert choice.text == prompt + plain.choices[0].text and lp is not None and plain.choices[0].logprobs
+    assert lp.token_logprobs is not None and lp.tokens is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == num_prompt + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(top or {}) >= 2 for top in lp.top_logprobs[1:])
+    assert lp.token_logprobs[num_prompt:] == plain.choices[0].logprobs.token_logprobs  # the completion's own
+    assert lp.text_offset is not None and lp.text_offset[num_prompt] == len(prompt)
+
+    scored = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
+    assert (
+        scored.choices[0].text == prompt and scored.usage is not None and scored.usage.completion_tokens == 0
+    )
+    assert scored.choices[0].logprobs is not None
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:num_prompt]
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True, stream=True
+        )
+    )
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    assert [x for c in streamed if c.logprobs for x in (c.logprobs.token_logprobs or [])] == lp.token_logprobs

@@ -59,8 +59,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a request that holds no blocks yet: (blocks, tokens)."""
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # a prompt's logprobs need its every position computed
         self._update_block_hashes(request)
         # The last token is always computed, so its logits exist: cap the hit at num_tokens - 1.
         max_blocks = (request.num_tokens - 1) // self.block_size

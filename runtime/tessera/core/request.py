@@ -10,6 +10,7 @@ from tessera.engine.messages import (
     FINISH_LENGTH,
     FINISH_STOP,
     EngineCoreRequest,
+    TokenLogprobs,
 )
 from tessera.sampling_params import SamplingParams
 
@@ -71,6 +72,9 @@ class Request:
         self.known_to_workers = False
         # Hashes of this request's full blocks, computed once and extended as it grows.
         self.block_hashes: list[bytes] = []
+        # Prompt logprobs by position, gathered chunk by chunk until the first output carries them.
+        self.prompt_logprobs: dict[int, TokenLogprobs] = {}
+        self.prompt_logprobs_sent = False
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.engine.messages import TokenLogprobs
+from tessera.engine.messages import PromptLogprobs, TokenLogprobs
 from tessera.sampling_params import SamplingParams
 
 
@@ -46,5 +46,7 @@ class ModelRunnerOutput:
     request_ids: list[str]  # the sampled requests, in order
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    # This step's chunk of prompt logprobs, for requests that asked for them (scheduled, sampled or not).
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Requests the runner could not serve (request id -> short reason): they fail alone.
     failed: dict[str, str] = field(default_factory=dict)

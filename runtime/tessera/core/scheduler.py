@@ -15,7 +15,7 @@ from tessera.config import EngineConfig
 from tessera.core.kv_cache_manager import KVCacheManager
 from tessera.core.request import Request, RequestRejected, RequestStatus
 from tessera.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-from tessera.engine.messages import EngineCoreOutput, SchedulerStats
+from tessera.engine.messages import EngineCoreOutput, PromptLogprobs, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -206,12 +206,15 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 outputs.append(self.fail_request(request, reason))
+        for request_id, chunk in runner_output.prompt_logprobs.items():
+            request = self._current(request_id, scheduler_output)
+            if request is not None and not request.prompt_logprobs_sent:
+                for offset, entry in enumerate(chunk.entries):
+                    request.prompt_logprobs[chunk.first_position + offset] = entry
         for row, request_id in enumerate(runner_output.request_ids):
-            request = self.requests.get(request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while in flight
-            if request.num_preemptions != scheduler_output.preemption_epochs.get(request_id):
-                continue  # preempted and rescheduled while this batch was in flight: stale
+            request = self._current(request_id, scheduler_output)
+            if request is None:
+                continue
             try:
                 outputs.append(self._append_sampled(request, runner_output, row))
             except Exception as error:
@@ -219,6 +222,15 @@ class Scheduler:
                 logger.exception("request %s failed while processing its output", request_id)
                 outputs.append(self.fail_request(request, f"internal error ({type(error).__name__})"))
         return outputs
+
+    def _current(self, request_id: str, scheduler_output: SchedulerOutput) -> Request | None:
+        """The request an output is for, unless aborted, preempted, or rescheduled since the batch."""
+        request = self.requests.get(request_id)
+        if request is None or request.status != RequestStatus.RUNNING:
+            return None  # aborted or preempted while in flight
+        if request.num_preemptions != scheduler_output.preemption_epochs.get(request_id):
+            return None  # preempted and rescheduled while this batch was in flight: stale
+        return request
 
     def _append_sampled(
         self, request: Request, runner_output: ModelRunnerOutput, row: int
@@ -232,6 +244,11 @@ class Scheduler:
             new_logprobs=[runner_output.logprobs[row]] if runner_output.logprobs else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
+        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            positions = range(1, request.num_prompt_tokens)
+            entries = [request.prompt_logprobs[p] for p in positions]  # every chunk has run before a sample
+            output.prompt_logprobs = PromptLogprobs(first_position=1, entries=entries)
+            request.prompt_logprobs, request.prompt_logprobs_sent = {}, True
         if status is not None:
             self._finish(request, status)
             output.finish_reason = status.finish_reason

@@ -36,10 +36,21 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first_position`, `first_position + 1`, ... (each given the tokens
+    before it): one step's chunk of a prompt, or the whole prompt (from position 1) in an output."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
+    # With the first output of a request that asked for them: every prompt token's after the first.
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT | FINISH_ERROR
     stop_reason: int | str | None = None  # the stop token id (or stop string, set by the detokenizer)
     num_cached_tokens: int = 0

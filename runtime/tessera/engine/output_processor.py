@@ -57,6 +57,8 @@ class _Request:
     kind: RequestOutputKind
     sequences: dict[str, _Sequence]  # child request id -> its sequence
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -150,6 +152,15 @@ class OutputProcessor:
         stop_string = sequence.detokenizer.update(output.new_token_ids)
         if output.new_logprobs is not None and sequence.num_logprobs is not None:
             self._append_logprobs(sequence, output.new_token_ids, output.new_logprobs)
+        if output.prompt_logprobs is not None:
+            chunk = output.prompt_logprobs
+            scored = request.prompt_token_ids[
+                chunk.first_position : chunk.first_position + len(chunk.entries)
+            ]
+            request.prompt_logprobs = [None] + [
+                self._logprob_entry(token_id, entry, len(entry.top_token_ids))
+                for token_id, entry in zip(scored, chunk.entries, strict=True)
+            ]
         if stop_string is not None:
             sequence.finish_reason, sequence.stop_reason = FINISH_STOP, stop_string
             if output.finish_reason is None:
@@ -193,21 +204,25 @@ class OutputProcessor:
     ) -> None:
         count = sequence.num_logprobs or 0
         for token_id, token_logprobs in zip(token_ids, logprobs, strict=False):
-            entry: dict[int, Logprob] = {}
-            top_ids = token_logprobs.top_token_ids[:count]
-            for rank, (top_id, top_lp) in enumerate(
-                zip(top_ids, token_logprobs.top_logprobs[:count], strict=True)
-            ):
-                entry[top_id] = Logprob(top_lp, rank + 1, decode(self.tokenizer, [top_id]))
-            if token_id not in entry:
-                rank_of_sampled = None
-                if token_id in token_logprobs.top_token_ids:
-                    rank_of_sampled = token_logprobs.top_token_ids.index(token_id) + 1
-                entry[token_id] = Logprob(
-                    token_logprobs.logprob, rank_of_sampled, decode(self.tokenizer, [token_id])
-                )
-            sequence.logprobs.append(entry)
+            sequence.logprobs.append(self._logprob_entry(token_id, token_logprobs, count))
             sequence.cumulative_logprob += token_logprobs.logprob
+
+    def _logprob_entry(self, token_id: int, token_logprobs: TokenLogprobs, count: int) -> dict[int, Logprob]:
+        """The `count` most likely tokens and `token_id` itself (its rank when among the top)."""
+        entry: dict[int, Logprob] = {}
+        top_ids = token_logprobs.top_token_ids[:count]
+        for rank, (top_id, top_lp) in enumerate(
+            zip(top_ids, token_logprobs.top_logprobs[:count], strict=True)
+        ):
+            entry[top_id] = Logprob(top_lp, rank + 1, decode(self.tokenizer, [top_id]))
+        if token_id not in entry:
+            rank_of_token = None
+            if token_id in token_logprobs.top_token_ids:
+                rank_of_token = token_logprobs.top_token_ids.index(token_id) + 1
+            entry[token_id] = Logprob(
+                token_logprobs.logprob, rank_of_token, decode(self.tokenizer, [token_id])
+            )
+        return entry
 
     def _make_output(self, request: _Request, finished: bool) -> RequestOutput:
         delta = request.kind == RequestOutputKind.DELTA
@@ -245,6 +260,10 @@ class OutputProcessor:
                     stop_reason=sequence.stop_reason,
                 )
             )
+        prompt_logprobs = request.prompt_logprobs
+        if delta and request.prompt_logprobs_sent:
+            prompt_logprobs = None
+        request.prompt_logprobs_sent = request.prompt_logprobs_sent or prompt_logprobs is not None
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -252,4 +271,5 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -23,6 +23,7 @@ from tessera.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    PromptLogprobs,
     SchedulerStats,
     TokenLogprobs,
 )
@@ -56,6 +57,7 @@ register(
     EngineCoreRequest,
     SamplingParams,
     TokenLogprobs,
+    PromptLogprobs,
     EngineCoreOutput,
     EngineCoreOutputs,
     SchedulerStats,

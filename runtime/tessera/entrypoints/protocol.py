@@ -159,7 +159,7 @@ class SamplingFields(RequestModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1, le=INT32)
+    max_tokens: int | None = Field(16, ge=0, le=INT32)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128)
@@ -189,9 +189,20 @@ class CompletionRequest(SamplingFields):
             raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.suffix:
             raise InvalidParameterError("suffix", "suffix is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidParameterError("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
+        # With echo, logprobs cover the prompt too; max_tokens 0 generates one token, never shown.
+        params = self._sampling_params(
+            max(self.max_tokens or 0, 1) if self.echo else self.max_tokens, self.logprobs
+        )
         if self.echo and self.logprobs is not None:
-            raise InvalidParameterError("echo", "echo with logprobs (the prompt's logprobs) is not supported")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+            params.prompt_logprobs = self.logprobs
+        return params
+
+    @property
+    def echo_only(self) -> bool:
+        """Prompt scoring (echo, max_tokens 0): the answer is the prompt, with its logprobs if asked."""
+        return self.echo and self.max_tokens == 0
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -199,6 +210,14 @@ class CompletionLogprobs(OpenAIModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+    def __add__(self, other: CompletionLogprobs) -> CompletionLogprobs:
+        return CompletionLogprobs(
+            text_offset=self.text_offset + other.text_offset,
+            token_logprobs=self.token_logprobs + other.token_logprobs,
+            tokens=self.tokens + other.tokens,
+            top_logprobs=self.top_logprobs + other.top_logprobs,
+        )
 
 
 class CompletionChoice(OpenAIModel):

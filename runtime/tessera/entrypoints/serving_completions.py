@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
@@ -35,23 +35,62 @@ def completion_logprobs(
 ) -> CompletionLogprobs | None:
     if output.logprobs is None:
         return None
+    return logprobs_of_tokens(output.token_ids, output.logprobs, text_offset, tokenizer)
+
+
+def prompt_logprobs(output: RequestOutput, tokenizer: Any) -> CompletionLogprobs | None:
+    """The echoed prompt's part of `logprobs` (its first token has none: nothing comes before it)."""
+    if output.prompt_logprobs is None:
+        return None
+    return logprobs_of_tokens(output.prompt_token_ids, output.prompt_logprobs, 0, tokenizer)
+
+
+def logprobs_of_tokens(
+    token_ids: list[int], entries: Sequence[dict[int, Logprob] | None], text_offset: int, tokenizer: Any
+) -> CompletionLogprobs:
     result = CompletionLogprobs()
     offset = text_offset
-    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
-        sampled = entry.get(token_id) or Logprob(float("-inf"))
-        token = sampled.decoded_token if sampled.decoded_token is not None else tokenizer.decode([token_id])
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        own = entry.get(token_id) if entry is not None else None
+        token = own.decoded_token if own is not None and own.decoded_token is not None else None
+        token = token if token is not None else tokenizer.decode([token_id])
         result.tokens.append(token)
-        result.token_logprobs.append(max(sampled.logprob, -9999.0))
         result.text_offset.append(offset)
         offset += len(token)
-        top = {
-            (lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])): max(
-                lp.logprob, -9999.0
-            )
-            for tid, lp in entry.items()
-        }
-        result.top_logprobs.append(top)
+        if entry is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(max((own or Logprob(float("-inf"))).logprob, -9999.0))
+        result.top_logprobs.append(
+            {
+                (lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])): max(
+                    lp.logprob, -9999.0
+                )
+                for tid, lp in entry.items()
+            }
+        )
     return result
+
+
+def echoed_choice(
+    index: int, text: str, output: RequestOutput, completion: CompletionOutput | None, tokenizer: Any
+) -> CompletionChoice:
+    """A choice of an echo request: the prompt (and its logprobs), then the completion unless the
+    request only scores its prompt (`completion` None)."""
+    logprobs = prompt_logprobs(output, tokenizer)
+    if completion is None:
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason="length")
+    generated = completion_logprobs(completion, len(text), tokenizer)
+    if logprobs is not None and generated is not None:
+        logprobs = logprobs + generated
+    return CompletionChoice(
+        index=index,
+        text=text + completion.text,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Any:
@@ -86,15 +125,21 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     finals = await cancel_on_disconnect(raw_request, _collect(generators))
     choices = []
     completion_tokens = 0
+    tokenizer = ctx.engine.tokenizer
     for prompt_index, final in enumerate(finals):
-        prefix = (texts[prompt_index] or "") if body.echo else ""
         for output in sorted(final.outputs, key=lambda o: o.index):
+            index = prompt_index * params.n + output.index
+            if body.echo:
+                shown = None if body.echo_only else output
+                choices.append(echoed_choice(index, texts[prompt_index] or "", final, shown, tokenizer))
+                completion_tokens += len(shown.token_ids) if shown is not None else 0
+                continue
             completion_tokens += len(output.token_ids)
             choices.append(
                 CompletionChoice(
-                    index=prompt_index * params.n + output.index,
-                    text=prefix + output.text,
-                    logprobs=completion_logprobs(output, len(prefix), ctx.engine.tokenizer),
+                    index=index,
+                    text=output.text,
+                    logprobs=completion_logprobs(output, 0, tokenizer),
                     finish_reason=output.finish_reason,
                     stop_reason=output.stop_reason,
                 )
@@ -134,29 +179,57 @@ async def _stream(
             CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage)
         )
 
+    tokenizer = ctx.engine.tokenizer
+
+    def echo(prompt_index: int, output: RequestOutput | None) -> list[CompletionChoice]:
+        text = texts[prompt_index] or ""
+        logprobs = prompt_logprobs(output, tokenizer) if output is not None else None
+        return [
+            CompletionChoice(index=prompt_index * params.n + i, text=text, logprobs=logprobs)
+            for i in range(params.n)
+        ]
+
+    # The echo comes first. With logprobs it waits for the prompt's, which come with the first
+    # token: until then that prompt's choices are held back.
+    awaiting_echo: set[int] = set()
     if body.echo:
         for prompt_index, text in enumerate(texts):
             for i in range(params.n):
-                index = prompt_index * params.n + i
-                text_offsets[index] = len(text or "")
-                yield chunk(CompletionChoice(index=index, text=text or ""))
+                text_offsets[prompt_index * params.n + i] = len(text or "")
+            if body.logprobs is None:
+                for choice in echo(prompt_index, None):
+                    yield chunk(choice)
+            else:
+                awaiting_echo.add(prompt_index)
+    held: dict[int, list[CompletionChoice]] = {}
     async for prompt_index, output in merge_streams(generators):
+        if prompt_index in awaiting_echo and output.prompt_logprobs is not None:
+            awaiting_echo.discard(prompt_index)
+            for choice in [*echo(prompt_index, output), *held.pop(prompt_index, [])]:
+                yield chunk(choice)
         for completion in output.outputs:
             index = prompt_index * params.n + completion.index
-            completion_tokens += len(completion.token_ids)
-            if not completion.text and completion.finish_reason is None and completion.logprobs is None:
-                continue
-            offset = text_offsets.get(index, 0)
-            text_offsets[index] = offset + len(completion.text)
-            yield chunk(
-                CompletionChoice(
+            if body.echo_only:  # the one generated token is never shown
+                if completion.finish_reason is None:
+                    continue
+                choice = CompletionChoice(index=index, text="", finish_reason="length")
+            else:
+                completion_tokens += len(completion.token_ids)
+                if not completion.text and completion.finish_reason is None and completion.logprobs is None:
+                    continue
+                offset = text_offsets.get(index, 0)
+                text_offsets[index] = offset + len(completion.text)
+                choice = CompletionChoice(
                     index=index,
                     text=completion.text,
-                    logprobs=completion_logprobs(completion, offset, ctx.engine.tokenizer),
+                    logprobs=completion_logprobs(completion, offset, tokenizer),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
-            )
+            if prompt_index in awaiting_echo:
+                held.setdefault(prompt_index, []).append(choice)
+            else:
+                yield chunk(choice)
     if body.stream_options is not None and body.stream_options.include_usage:
         usage = UsageInfo.of(prompt_tokens, completion_tokens)
         yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage))

@@ -22,18 +22,21 @@ import torch
 
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tessera.engine.messages import TokenLogprobs
+from tessera.engine.messages import PromptLogprobs, TokenLogprobs
 from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.models.layers.attention import AttentionMetadata
 from tessera.models.loader import load_model
 from tessera.sampling_params import SamplingParams
 from tessera.topology import Topology
-from tessera.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tessera.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, logprobs_of
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 GPU_MEMORY_UTILIZATION = 0.9
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions scored per LM-head call
 
 
 @dataclass
@@ -269,11 +272,17 @@ class ModelRunner:
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states
 
+        prompt_logprobs = self._prompt_logprobs(batch, metadata, hidden_states, sample)
         # A request that failed in sampling stays in the forward pass until the scheduler drops it
         # (only the sampling rank knows, and every stage must run the same batch) but is not sampled.
         sampled = [row for row, s in enumerate(batch) if s.sample and s.request_id not in self.failed]
         if not sampled:
-            return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=dict(self.failed))
+            return ModelRunnerOutput(
+                request_ids=[],
+                sampled_token_ids=[],
+                prompt_logprobs=prompt_logprobs,
+                failed=dict(self.failed),
+            )
         last_token_rows = torch.tensor([metadata.query_start_loc_list[row + 1] - 1 for row in sampled])
         logits = self.model.compute_logits(hidden_states[last_token_rows.to(self.device)])
         if not sample:
@@ -284,8 +293,62 @@ class ModelRunner:
             request_ids=[request_ids[row] for row in kept],
             sampled_token_ids=output.sampled_token_ids.tolist() if output is not None else [],
             logprobs=_token_logprobs(output),
+            prompt_logprobs=prompt_logprobs,
             failed=dict(self.failed),
         )
+
+    def _prompt_logprobs(
+        self,
+        batch: list[ScheduledRequest],
+        metadata: AttentionMetadata,
+        hidden_states: torch.Tensor,
+        sample: bool,
+    ) -> dict[str, PromptLogprobs]:
+        """Scores this step's prompt positions, for requests that asked: the logprob of each next
+        prompt token. Every rank of the last stage computes the logits (a TP collective, decided from
+        what all ranks know); only the sampling rank reduces them."""
+        spans = []  # (request id, first scored position, its hidden row, positions, top-k)
+        for row, scheduled in enumerate(batch):
+            state = self.requests[scheduled.request_id]
+            num_top = state.sampling_params.prompt_logprobs
+            start = scheduled.start_position
+            count = min(start + len(scheduled.token_ids), state.num_prompt_tokens - 1) - start
+            if num_top is not None and count > 0:
+                spans.append(
+                    (scheduled.request_id, start + 1, metadata.query_start_loc_list[row], count, num_top)
+                )
+        if not spans:
+            return {}
+        rows = torch.tensor([first_row + i for _, _, first_row, count, _ in spans for i in range(count)])
+        targets = torch.tensor(
+            [
+                self.requests[rid].token_ids[first + i]
+                for rid, first, _, count, _ in spans
+                for i in range(count)
+            ]
+        )
+        num_top = max(span[4] for span in spans)
+        scored: list[tuple[float, list[int], list[float]]] = []
+        for begin in range(0, len(rows), PROMPT_LOGITS_ROWS):  # bounds the [rows, vocab] logits
+            logits = self.model.compute_logits(
+                hidden_states[rows[begin : begin + PROMPT_LOGITS_ROWS].to(self.device)]
+            )
+            if sample:
+                raw = logits.float().log_softmax(dim=-1)
+                part = logprobs_of(raw, targets[begin : begin + PROMPT_LOGITS_ROWS].to(self.device), num_top)
+                scored += zip(*(t.tolist() for t in part), strict=True)
+        if not sample:
+            return {}
+        result, taken = {}, 0
+        for request_id, first, _, count, top in spans:
+            entries = [
+                TokenLogprobs(logprob=lp, top_token_ids=ids[:top], top_logprobs=lps[:top])
+                for lp, ids, lps in scored[taken : taken + count]
+            ]
+            taken += count
+            if request_id not in self.failed:
+                result[request_id] = PromptLogprobs(first_position=first, entries=entries)
+        return result
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> tuple[SamplerOutput | None, list[int]]:
         """Sample every row; rows whose parameters break sampling fail alone (kept: the other rows).

@@ -143,14 +143,21 @@ class Sampler(torch.nn.Module):
 
         if raw_logprobs is None or metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
-        num_top = min(metadata.max_num_logprobs, raw_logprobs.shape[1])  # a tiny vocabulary has fewer
-        top_logprobs, top_token_ids = raw_logprobs.topk(num_top, dim=-1)
+        logprobs, top_token_ids, top_logprobs = logprobs_of(raw_logprobs, sampled, metadata.max_num_logprobs)
         return SamplerOutput(
             sampled_token_ids=sampled,
-            logprobs=raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1),
+            logprobs=logprobs,
             top_token_ids=top_token_ids,
             top_logprobs=top_logprobs,
         )
+
+
+def logprobs_of(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the logprob of its token, and its `num_top` most likely tokens (ids, logprobs)."""
+    top_logprobs, top_token_ids = raw_logprobs.topk(min(num_top, raw_logprobs.shape[1]), dim=-1)
+    return raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1), top_token_ids, top_logprobs
 
 
 def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
