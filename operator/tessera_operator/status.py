@@ -86,12 +86,16 @@ def with_kstatus(conditions: list[Condition], generation: int | None, now: float
             moving = progressing
         elif ready and ready.status != "True" and ready.reason != "ScaledToZero":
             moving = ready
-    for kind, cause in (("Stalled", stalled), ("Reconciling", moving)):
+    # Never an empty message: Kubernetes 1.20 turns "" into null and refuses the status write.
+    for kind, cause, calm in (
+        ("Stalled", stalled, "nothing waits for a person"),
+        ("Reconciling", moving, "the cluster matches its spec"),
+    ):
         condition = Condition(
             type=kind,  # type: ignore[arg-type]
             status="True" if cause else "False",
             reason=cause.reason if cause else "AsExpected",
-            message=cause.message if cause else "",
+            message=(cause.message or cause.reason) if cause else calm,
             observed_generation=generation,
         )
         conditions = set_condition(conditions, condition, now)

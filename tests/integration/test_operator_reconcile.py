@@ -81,6 +81,12 @@ def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_na
         assert status["endpoint"] == f"http://smollm2.{ns}.svc:8000/v1"
         assert status["selector"] == "tessera.dev/cluster=smollm2,tessera.dev/role=leader"
         assert condition(ic(cluster, ns, "smollm2"), "Progressing")["reason"] == "Complete"
+        # kstatus' conditions, as GitOps tools read them (and as Kubernetes 1.20 accepts them).
+        settled = ic(cluster, ns, "smollm2")
+        assert (
+            condition(settled, "Reconciling")["status"] == "False"
+            and condition(settled, "Stalled")["status"] == "False"
+        )
         table = cluster.kubectl("get", "ic", "-n", ns).stdout.split("\n")
         assert table[0].split() == ["NAME", "REPLICAS", "READY", "TP", "PP", "MODEL", "AGE"]
         assert table[1].split()[:6] == ["smollm2", "1", "1", "3", "2", "smollm2-135m-instruct"]
