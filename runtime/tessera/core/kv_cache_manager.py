@@ -59,7 +59,10 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a request that holds no blocks yet: (blocks, tokens)."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        scoring_prompt = (
+            request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent
+        )
+        if not self.enable_prefix_caching or scoring_prompt:
             return [], 0  # a prompt's logprobs need its every position computed
         self._update_block_hashes(request)
         # The last token is always computed, so its logits exist: cap the hit at num_tokens - 1.

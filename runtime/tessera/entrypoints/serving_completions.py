@@ -48,37 +48,37 @@ def prompt_logprobs(output: RequestOutput, tokenizer: Any) -> CompletionLogprobs
 def logprobs_of_tokens(
     token_ids: list[int], entries: Sequence[dict[int, Logprob] | None], text_offset: int, tokenizer: Any
 ) -> CompletionLogprobs:
+    def text_of(token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return str(tokenizer.decode([token_id]))
+
     result = CompletionLogprobs()
     offset = text_offset
     for token_id, entry in zip(token_ids, entries, strict=False):
         own = entry.get(token_id) if entry is not None else None
-        token = own.decoded_token if own is not None and own.decoded_token is not None else None
-        token = token if token is not None else tokenizer.decode([token_id])
+        token = text_of(token_id, own)
         result.tokens.append(token)
         result.text_offset.append(offset)
         offset += len(token)
-        if entry is None:
+        if entry is None:  # a prompt's first token: nothing before it to condition on
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             continue
         result.token_logprobs.append(max((own or Logprob(float("-inf"))).logprob, -9999.0))
-        result.top_logprobs.append(
-            {
-                (lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])): max(
-                    lp.logprob, -9999.0
-                )
-                for tid, lp in entry.items()
-            }
-        )
+        result.top_logprobs.append({text_of(tid, lp): max(lp.logprob, -9999.0) for tid, lp in entry.items()})
     return result
 
 
 def echoed_choice(
-    index: int, text: str, output: RequestOutput, completion: CompletionOutput | None, tokenizer: Any
+    index: int,
+    text: str,
+    logprobs: CompletionLogprobs | None,
+    completion: CompletionOutput | None,
+    tokenizer: Any,
 ) -> CompletionChoice:
-    """A choice of an echo request: the prompt (and its logprobs), then the completion unless the
+    """A choice of an echo request: the prompt (and its `logprobs`), then the completion unless the
     request only scores its prompt (`completion` None)."""
-    logprobs = prompt_logprobs(output, tokenizer)
     if completion is None:
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason="length")
     generated = completion_logprobs(completion, len(text), tokenizer)
@@ -127,11 +127,12 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     completion_tokens = 0
     tokenizer = ctx.engine.tokenizer
     for prompt_index, final in enumerate(finals):
+        scored = prompt_logprobs(final, tokenizer)  # once per prompt, whatever n
         for output in sorted(final.outputs, key=lambda o: o.index):
             index = prompt_index * params.n + output.index
             if body.echo:
                 shown = None if body.echo_only else output
-                choices.append(echoed_choice(index, texts[prompt_index] or "", final, shown, tokenizer))
+                choices.append(echoed_choice(index, texts[prompt_index] or "", scored, shown, tokenizer))
                 completion_tokens += len(shown.token_ids) if shown is not None else 0
                 continue
             completion_tokens += len(output.token_ids)

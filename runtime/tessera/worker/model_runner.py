@@ -311,9 +311,13 @@ class ModelRunner:
         for row, scheduled in enumerate(batch):
             state = self.requests[scheduled.request_id]
             num_top = state.sampling_params.prompt_logprobs
+            # A request with outputs has sent its prompt's logprobs (with its first token): one
+            # resumed after preemption recomputes its prompt, and it is not scored again.
+            if num_top is None or len(state.token_ids) > state.num_prompt_tokens:
+                continue
             start = scheduled.start_position
             count = min(start + len(scheduled.token_ids), state.num_prompt_tokens - 1) - start
-            if num_top is not None and count > 0:
+            if count > 0:
                 spans.append(
                     (scheduled.request_id, start + 1, metadata.query_start_loc_list[row], count, num_top)
                 )
