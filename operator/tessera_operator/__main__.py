@@ -5,12 +5,34 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Any
 
 import kopf
 
 from tessera_operator import handlers, webhook  # noqa: F401  (importing registers the kopf handlers)
-from tessera_operator.config import CONFIG, names
+from tessera_operator.config import CONFIG, label_selector, names
 from tessera_operator.podpolicy import PodPolicy
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+    return value
+
+
+def selector(text: str) -> dict[str, Any] | None:
+    try:
+        return label_selector(text)
+    except ValueError as exc:  # json's errors are ValueErrors too
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,9 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--liveness", default="http://0.0.0.0:8080/healthz", help="health endpoint URL ('' to disable)"
     )
-    parser.add_argument("--workers", type=int, default=CONFIG.workers, help="clusters reconciled at once")
-    parser.add_argument("--concurrency", type=int, default=CONFIG.concurrency, help="API requests in flight")
-    parser.add_argument("--resync-seconds", type=float, default=CONFIG.resync_seconds)
+    parser.add_argument(
+        "--workers", type=positive_int, default=CONFIG.workers, help="clusters reconciled at once"
+    )
+    parser.add_argument(
+        "--concurrency", type=positive_int, default=CONFIG.concurrency, help="API requests in flight"
+    )
+    parser.add_argument("--resync-seconds", type=positive_float, default=CONFIG.resync_seconds)
     parser.add_argument(
         "--min-interval",
         type=float,
@@ -35,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--autoscale-interval",
-        type=float,
+        type=positive_float,
         default=CONFIG.autoscale_interval_seconds,
         help="seconds between queue-depth samples of an autoscaled cluster",
     )
@@ -54,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("Fail", "Ignore"),
         default=CONFIG.webhook_failure_policy,
         help="what the API server does when the managed webhook cannot be reached",
+    )
+    parser.add_argument(
+        "--webhook-namespace-selector",
+        type=selector,
+        default=CONFIG.webhook_namespace_selector,
+        metavar="JSON",
+        help='LabelSelector of the namespaces the managed webhook sees, e.g. {"matchLabels": {"team": "a"}}',
     )
     parser.add_argument(
         "--webhook-managed",
@@ -84,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     pods.add_argument(
         "--max-pods-per-cluster",
-        type=int,
+        type=positive_int,
         default=policy.max_pods_per_cluster,
         help="cap on (replicas + maxSurge) x tensor x pipeline of one InferenceCluster",
     )
@@ -115,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     CONFIG.webhook_managed = args.webhook_managed
     CONFIG.webhook_service = args.webhook_service
     CONFIG.webhook_failure_policy = args.webhook_failure_policy
+    CONFIG.webhook_namespace_selector = args.webhook_namespace_selector
     CONFIG.pod_policy = PodPolicy(
         allow_host_path=args.allow_host_path,
         allow_secrets=args.allow_secrets,

@@ -5,8 +5,10 @@ The environment form serves `kopf run -m tessera_operator` and tests (short resy
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from tessera_operator.podpolicy import DEFAULT_MAX_PODS_PER_CLUSTER, PodPolicy
 
@@ -26,6 +28,16 @@ def _flag(name: str) -> bool:
 def names(text: str) -> frozenset[str]:
     """`a,b` -> {a, b} (flags and environment variables list names this way)."""
     return frozenset(n.strip() for n in text.split(",") if n.strip())
+
+
+def label_selector(text: str) -> dict[str, Any] | None:
+    """A LabelSelector from JSON (`{"matchLabels": {...}}`); empty text or `{}`: None (all)."""
+    if not text.strip():
+        return None
+    selector = json.loads(text)
+    if not isinstance(selector, dict) or set(selector) - {"matchLabels", "matchExpressions"}:
+        raise ValueError(f"not a LabelSelector (matchLabels, matchExpressions): {text}")
+    return selector or None
 
 
 def pod_policy_from_environment() -> PodPolicy:
@@ -74,8 +86,14 @@ class OperatorConfig:
     webhook_service: str | None = field(
         default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_SERVICE") or None
     )
+    # Ignore: an operator that is down (a lost node, an upgrade) must not block every write of
+    # an InferenceCluster; the reconciler refuses invalid specs all the same.
     webhook_failure_policy: str = field(
-        default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_FAILURE_POLICY", "Fail")
+        default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_FAILURE_POLICY", "Ignore")
+    )
+    # A LabelSelector (JSON) of the namespaces whose objects the API server sends to the webhook.
+    webhook_namespace_selector: dict[str, Any] | None = field(
+        default_factory=lambda: label_selector(os.environ.get("TESSERA_WEBHOOK_NAMESPACE_SELECTOR", ""))
     )
     # What a spec may put into rank pods (hostPath, Secrets, ServiceAccounts, ...) and the pod cap.
     pod_policy: PodPolicy = field(default_factory=pod_policy_from_environment)

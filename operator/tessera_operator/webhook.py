@@ -46,6 +46,8 @@ async def validate_inference_cluster(
 ) -> None:
     if operation not in OPERATIONS:  # a hand-written configuration may still send DELETE
         return
+    if not watched(body, CONFIG.namespaces):
+        return  # another operator's (another release, another pod policy): not ours to judge
     if operation == "UPDATE" and not update_needs_judging(old, body, spec):
         return
     generate_name = (body.get("metadata") or {}).get("generateName")
@@ -53,6 +55,17 @@ async def validate_inference_cluster(
     errors = validate_object(name, dict(spec), CONFIG.pod_policy)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors), code=422)
+
+
+def watched(body: Any, namespaces: list[str]) -> bool:
+    """Whether the object lies in a namespace this operator serves (all, when none are named).
+
+    A webhook configuration cannot always be limited to those namespaces (Kubernetes 1.20 has no
+    `kubernetes.io/metadata.name` label to select them by), so the handler itself lets others'
+    objects pass; an object whose namespace the review does not say is judged.
+    """
+    namespace = (body.get("metadata") or {}).get("namespace")
+    return not namespaces or not namespace or namespace in namespaces
 
 
 def update_needs_judging(old: Any, body: Any, spec: Any) -> bool:
@@ -79,13 +92,16 @@ def register() -> None:
 
 
 def webhooks(
-    client_config: dict[str, Any], service: str | None = None, failure_policy: str = "Fail"
+    client_config: dict[str, Any],
+    service: str | None = None,
+    failure_policy: str = "Ignore",
+    namespace_selector: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """The `webhooks` of the configuration (the chart's static template holds the same rules).
 
     kopf hands over a URL; with `service` ("NAMESPACE/NAME") the API server is pointed at that
     Service instead, at the URL's port: an API server on the host network may not resolve
-    in-cluster names."""
+    in-cluster names. `namespace_selector` limits the namespaces whose objects are sent at all."""
     config = dict(client_config)
     if "url" in config:
         config["url"] = f"{config['url'].rstrip('/')}/{HANDLER_ID}"
@@ -111,6 +127,7 @@ def webhooks(
             "failurePolicy": failure_policy,
             "matchPolicy": "Equivalent",
             "timeoutSeconds": 10,
+            **({"namespaceSelector": namespace_selector} if namespace_selector else {}),
         }
     ]
 
@@ -124,19 +141,23 @@ class ManagedWebhookServer:
         configuration: str,
         client: KubeClient,
         service: str | None = None,
-        failure_policy: str = "Fail",
+        failure_policy: str = "Ignore",
+        namespace_selector: dict[str, Any] | None = None,
     ) -> None:
         self.server = server
         self.configuration = configuration
         self.client = client
         self.service, self.failure_policy = service, failure_policy
+        self.namespace_selector = namespace_selector
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         registered = False
         try:
             async with self.server:
                 async for client_config in self.server(fn):
-                    hooks = webhooks(dict(client_config), self.service, self.failure_policy)
+                    hooks = webhooks(
+                        dict(client_config), self.service, self.failure_policy, self.namespace_selector
+                    )
                     registered = await self.write(hooks) or registered
                     yield client_config
         finally:
@@ -189,7 +210,12 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: K
     settings.admission.managed = None  # kopf's manager would need cluster-wide `create`
     settings.admission.server = (
         ManagedWebhookServer(
-            server, config.webhook_managed, client, config.webhook_service, config.webhook_failure_policy
+            server,
+            config.webhook_managed,
+            client,
+            config.webhook_service,
+            config.webhook_failure_policy,
+            config.webhook_namespace_selector,
         )
         if config.webhook_managed
         else server

@@ -71,7 +71,7 @@ def other_webhook_configuration(name: str) -> str:
 def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_namespace: str) -> None:
     """The operator keeps its own ValidatingWebhookConfiguration current with the chart's RBAC, and no other."""
     cluster, ns = crds, k8s_namespace
-    config_name = f"{ns}-operator.tessera.dev"  # the chart's name for release `ns`
+    config_name = f"{ns}-operator-{ns}.tessera.dev"  # the chart's name for release `ns` in `ns`
     other = f"{ns}-other.example.com"
     port = free_port()
     args = (
@@ -210,7 +210,7 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
         assert not can("create", "pods", "default")  # namespace-scoped install
         assert not can("delete", "inferenceclusters.tessera.dev", ns)
         assert not can("create", "secrets", ns)
-        own = f"validatingwebhookconfigurations/{release}-operator.tessera.dev"
+        own = f"validatingwebhookconfigurations/{release}-operator-{ns}.tessera.dev"
         assert can("patch", own, ns) and not can("delete", own, ns)
         assert not can("patch", "validatingwebhookconfigurations/someone-elses", ns)
         assert not can("create", "validatingwebhookconfigurations", ns)

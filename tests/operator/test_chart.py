@@ -16,8 +16,8 @@ HELM = default_bin_dir() / "helm"
 pytestmark = pytest.mark.skipif(not HELM.exists(), reason="helm not installed (make k8s)")
 
 
-def render(*sets: str) -> list[dict[str, Any]]:
-    args = [str(HELM), "template", "rel", str(CHART), "-n", "ops", "--include-crds"]
+def render(*sets: str, release: str = "rel", namespace: str = "ops") -> list[dict[str, Any]]:
+    args = [str(HELM), "template", release, str(CHART), "-n", namespace, "--include-crds"]
     for value in sets:
         args += ["--set", value]
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
@@ -52,11 +52,11 @@ def test_cluster_wide_mode_and_managed_webhook() -> None:
     assert any("pods" in r["resources"] and "create" in r["verbs"] for r in rules)
     # Its own webhook configuration (created by the chart, empty) and no other: no create, list, watch.
     [webhook_rule] = [r for r in rules if "validatingwebhookconfigurations" in r["resources"]]
-    assert webhook_rule["resourceNames"] == ["rel-operator.tessera.dev"] and webhook_rule["verbs"] == [
+    assert webhook_rule["resourceNames"] == ["rel-operator-ops.tessera.dev"] and webhook_rule["verbs"] == [
         "patch"
     ]
     [config] = [d for d in docs if d["kind"] == "ValidatingWebhookConfiguration"]
-    assert config["metadata"]["name"] == "rel-operator.tessera.dev" and "webhooks" not in config
+    assert config["metadata"]["name"] == "rel-operator-ops.tessera.dev" and "webhooks" not in config
     [deploy] = [d for d in docs if d["kind"] == "Deployment"]
     assert "--all-namespaces" in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
 
@@ -125,3 +125,80 @@ def test_pod_policy_values_become_operator_flags() -> None:
     assert {"--allowed-priority-classes=high", "--max-pods-per-cluster=4096"} <= set(opened)
     parsed = parse_args([a for a in opened if a.startswith(("--allow", "--max-pods"))])
     assert parsed.allowed_service_accounts == {"inference", "batch"} and parsed.max_pods_per_cluster == 4096
+
+
+def refusal(*sets: str) -> str:
+    with pytest.raises(subprocess.CalledProcessError) as refused:
+        render(*sets)
+    return str(refused.value.stderr)
+
+
+def test_bad_values_are_refused_naming_the_value() -> None:
+    """values.schema.json: what would crash-loop the operator or quietly disable it fails at render."""
+    assert "/operator/workers" in refusal("operator.workers=abc")
+    assert "/webhook/failurePolicy" in refusal("webhook.failurePolicy=Foo")
+    assert "/operator/autoscaleIntervalSeconds" in refusal("operator.autoscaleIntervalSeconds=-5")
+    assert "/podPolicy/maxPodsPerCluster" in refusal("podPolicy.maxPodsPerCluster=0")
+    assert "/watch/namespaces/0" in refusal("watch.namespaces={Team_A}")
+    assert "/operator/logLevel" in refusal("operator.logLevel=trace")
+    # Never the namespace's `default` account: every pod there would get the operator's rights.
+    assert "serviceAccount.name is required" in refusal("serviceAccount.create=false")
+
+
+def test_two_releases_of_one_name_in_two_namespaces_share_no_cluster_scoped_object() -> None:
+    def cluster_scoped(namespace: str) -> set[tuple[str, str]]:
+        docs = render("webhook.enabled=true", "watch.clusterWide=true", namespace=namespace)
+        return {(d["kind"], d["metadata"]["name"]) for d in docs if "namespace" not in d["metadata"]}
+
+    team_a, team_b = cluster_scoped("team-a"), cluster_scoped("team-b")
+    crd = {kind_name for kind_name in team_a if kind_name[0] == "CustomResourceDefinition"}
+    assert crd and team_a & team_b == crd  # the CRD alone is shared, as it must be
+    assert {k for k, _ in team_a} >= {"ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration"}
+
+
+def test_a_long_release_keeps_the_webhook_service_a_valid_name() -> None:
+    docs = render("webhook.enabled=true", release="r" * 52)
+    [service] = [d for d in docs if d["kind"] == "Service"]
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert len(service["metadata"]["name"]) <= 63
+    assert f"--webhook-service=ops/{service['metadata']['name']}" in args
+
+
+def test_the_webhook_namespace_selector_reaches_both_configurations() -> None:
+    selector = "webhook.namespaceSelector.matchLabels.team=a"
+    [deploy] = [d for d in render("webhook.enabled=true", selector) if d["kind"] == "Deployment"]
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    flag = next(a for a in args if a.startswith("--webhook-namespace-selector="))
+    parsed = parse_args([flag])
+    assert parsed.webhook_namespace_selector == {"matchLabels": {"team": "a"}}
+    static = render(
+        "webhook.enabled=true",
+        "webhook.managed=false",
+        "webhook.caBundle=Zm9v",
+        "webhook.certSecret=tls",
+        selector,
+    )
+    [config] = [d for d in static if d["kind"] == "ValidatingWebhookConfiguration"]
+    assert config["webhooks"][0]["namespaceSelector"] == {"matchLabels": {"team": "a"}}
+
+
+def test_the_image_defaults_to_the_charts_app_version_and_takes_pull_secrets() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+    def pod(*sets: str) -> dict[str, Any]:
+        [deploy] = [d for d in render(*sets) if d["kind"] == "Deployment"]
+        return dict(deploy["spec"]["template"]["spec"])
+
+    assert pod()["containers"][0]["image"] == f"tessera/operator:{chart['appVersion']}"
+    digest = "sha256:" + "a" * 64
+    assert pod(f"image.digest={digest}")["containers"][0]["image"] == f"tessera/operator@{digest}"
+    assert pod("imagePullSecrets[0].name=regcred")["imagePullSecrets"] == [{"name": "regcred"}]
+
+
+def test_operator_flags_refuse_what_would_spin_or_stall_it() -> None:
+    for flag in ("--autoscale-interval=-5", "--workers=0", "--max-pods-per-cluster=0", "--resync-seconds=0"):
+        with pytest.raises(SystemExit):
+            parse_args([flag])
+    with pytest.raises(SystemExit):
+        parse_args(['--webhook-namespace-selector={"team": "a"}'])  # not a LabelSelector

@@ -141,3 +141,42 @@ async def test_kopfs_admission_engine_hands_the_old_object_over() -> None:
     refused = await review("UPDATE", stored(VALID), relabelled)
     assert refused["allowed"] is False and "secretKeyRef" in refused["status"]["message"]
     assert (await review("CREATE", None, relabelled))["allowed"] is False
+
+
+async def test_objects_outside_the_watched_namespaces_are_another_operators(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two releases, one per team: team-b's operator must not judge team-a's object by its policy."""
+    monkeypatch.setattr(webhook.CONFIG, "namespaces", ["team-b"])
+    theirs = kopf.Body(stored(INVALID, namespace="team-a"))
+    await webhook.validate_inference_cluster(theirs.spec, "demo", theirs, "CREATE")
+    for namespace in ("team-b", None):  # ours, or a review that does not say: judged
+        metadata = {"namespace": namespace} if namespace else {}
+        body = kopf.Body(stored(INVALID, **metadata))
+        with pytest.raises(kopf.AdmissionError):
+            await webhook.validate_inference_cluster(body.spec, "demo", body, "CREATE")
+    monkeypatch.setattr(webhook.CONFIG, "namespaces", [])  # cluster-wide: every namespace is ours
+    with pytest.raises(kopf.AdmissionError):
+        await webhook.validate_inference_cluster(theirs.spec, "demo", theirs, "CREATE")
+
+
+def test_the_managed_configuration_carries_the_namespace_selector() -> None:
+    selector = {"matchLabels": {"team": "a"}}
+    [hook] = webhook.webhooks({"url": "https://op:9443"}, namespace_selector=selector)
+    assert hook["namespaceSelector"] == selector and hook["failurePolicy"] == "Ignore"
+    [unscoped] = webhook.webhooks({"url": "https://op:9443"})
+    assert "namespaceSelector" not in unscoped
+
+
+def test_a_long_service_name_still_gets_a_certificate(tmp_path: Any) -> None:
+    """A CN holds 64 characters; the webhook's Service DNS name is often longer (the SANs hold it)."""
+    import subprocess
+
+    from tessera_operator.certs import self_signed
+
+    host = "tessera-platform-operator-webhook.ml-inference-platform-production.svc"
+    cert, _ = self_signed(tmp_path, host)
+    text = subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-text"], check=True, capture_output=True, text=True
+    ).stdout
+    assert f"DNS:{host}" in text

@@ -1,5 +1,27 @@
 {{- define "tessera.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
 {{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Cluster-scoped objects carry the release's namespace too: two releases of the same name in
+two namespaces (one per team) must not fight over one ClusterRole or webhook configuration. */}}
+{{- define "tessera.clusterScopedName" -}}
+{{- printf "%s-%s" (include "tessera.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- define "tessera.webhookServiceName" -}}
+{{- printf "%s-webhook" (include "tessera.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tessera.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "tessera.labels" -}}
@@ -19,13 +41,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "tessera.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- /* never the namespace's `default` account: every pod there would get the operator's rights */ -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
 
 {{/* The ValidatingWebhookConfiguration the operator keeps current (webhook.managed). */}}
 {{- define "tessera.webhookConfigurationName" -}}
-{{- include "tessera.fullname" . -}}.tessera.dev
+{{- include "tessera.clusterScopedName" . -}}.tessera.dev
 {{- end -}}
 
 {{- define "tessera.namespaces" -}}
