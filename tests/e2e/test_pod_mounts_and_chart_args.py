@@ -74,7 +74,7 @@ def test_the_chart_arguments_are_pointed_at_this_host(tmp_path: Path) -> None:
         "--webhook-port=9443",
         "--webhook-host=tessera-operator-webhook.tessera-system.svc",
         "--webhook-cert-dir=/tmp/webhook-certs",
-        "--webhook-managed=tessera-operator.tessera.dev",
+        "--webhook-managed=tessera-operator-tessera-system.tessera.dev",
     ]
     args = host_args(chart, 1111, 2222, tmp_path)
     assert args == [
@@ -83,6 +83,6 @@ def test_the_chart_arguments_are_pointed_at_this_host(tmp_path: Path) -> None:
         "--webhook-port=2222",
         "--webhook-host=127.0.0.1",
         f"--webhook-cert-dir={tmp_path}",
-        "--webhook-managed=tessera-operator.tessera.dev",
+        "--webhook-managed=tessera-operator-tessera-system.tessera.dev",
         "--webhook-addr=127.0.0.1",
     ]
