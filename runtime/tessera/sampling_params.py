@@ -75,6 +75,8 @@ class SamplingParams:
             fail(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not isinstance(self.seed, int):
             fail(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**64 - self.n:
+            fail(f"seed must be in [-2^63, 2^64 - n] (each of n samples seeds a generator), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             fail("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

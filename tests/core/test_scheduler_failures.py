@@ -100,3 +100,37 @@ def test_resumed_request_longer_than_a_step_is_chunked_not_stuck() -> None:
         steps += 1
         assert steps < 20, "the resumed request never ran"
     assert request.num_output_tokens == 8
+
+
+def cached_prefix_tokens(scheduler, request_id: str) -> int:
+    """How many tokens of a fresh request with the shared 12-token prompt the prefix cache serves."""
+    request = add(scheduler, request_id, 12, max_tokens=1)
+    return scheduler.kv.get_computed_blocks(request)[1]
+
+
+def test_a_refused_requests_blocks_are_never_served_from_the_prefix_cache() -> None:
+    """Blocks are registered when scheduled; a step the runner refused never wrote them."""
+    scheduler = make_scheduler()
+    add(scheduler, "bad", 12, max_tokens=3)
+    output = scheduler.schedule()
+    runner = ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed={"bad": "seed is out of range"})
+    scheduler.update_from_output(output, runner)
+    assert scheduler.kv.usage == 0.0 and cached_prefix_tokens(scheduler, "later") == 0
+
+
+def test_blocks_of_a_step_whose_output_never_came_leave_the_prefix_cache() -> None:
+    """An offline run interrupted mid-step aborts its requests: the step may never have run."""
+    scheduler = make_scheduler()
+    add(scheduler, "interrupted", 12, max_tokens=3)
+    scheduler.schedule()  # ... and the forward pass raised
+    scheduler.abort_requests(["interrupted"])
+    assert scheduler.kv.usage == 0.0 and cached_prefix_tokens(scheduler, "later") == 0
+
+
+def test_blocks_a_step_wrote_stay_cached_after_the_request_ends() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "done", 12, max_tokens=3)
+    run_step(scheduler)  # the prompt's 3 full blocks are written
+    scheduler.abort_requests(["done"])
+    # The last token is always recomputed, so 2 of the 3 blocks are served.
+    assert cached_prefix_tokens(scheduler, "later") == 8

@@ -208,6 +208,9 @@ def test_logprobs_and_stop_strings(tiny_llama_dir: Path):
         {"presence_penalty": 3.0},
         {"repetition_penalty": 0.0},
         {"logprobs": 50},
+        {"seed": 2**70},  # a generator's seed is 64 bits: refused here, not by the runner
+        {"seed": 2**64 - 1, "n": 2},  # the second sample's derived seed would not fit
+        {"seed": -(2**63) - 1},
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs):

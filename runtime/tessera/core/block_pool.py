@@ -113,6 +113,11 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget these blocks' hashes: their contents cannot be trusted (never written)."""
+        for block in blocks:
+            self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:

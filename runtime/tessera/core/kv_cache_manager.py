@@ -35,6 +35,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_num_cached_blocks: dict[str, int] = {}
+        # Blocks registered in the prefix cache at schedule time, before the step that writes them
+        # has run; only those below this count are known to be written. Freeing a request drops
+        # the hashes of the rest, so a step that never ran (a request refused by the runner, an
+        # interrupted offline run) cannot hand unwritten blocks to a later request.
+        self.req_num_computed_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -95,6 +100,8 @@ class KVCacheManager:
                 del self.req_blocks[request.request_id]
             return False
         self.pool.touch(computed)
+        if computed:  # cache hits were written by whoever registered them
+            self.req_num_computed_blocks[request.request_id] = len(blocks) + len(computed)
         blocks.extend(computed)
         if num_needed > 0:
             blocks.extend(self.pool.allocate(num_needed))
@@ -112,9 +119,16 @@ class KVCacheManager:
             self.pool.cache_block(blocks[index], request.block_hashes[index])
         self.req_num_cached_blocks[request.request_id] = max(start, end)
 
+    def confirm_computed(self, request_id: str, num_tokens: int) -> None:
+        """A step's output arrived: the request's first num_tokens tokens are in its blocks."""
+        known = self.req_num_computed_blocks.get(request_id, 0)
+        self.req_num_computed_blocks[request_id] = max(known, num_tokens // self.block_size)
+
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
-        self.req_num_cached_blocks.pop(request.request_id, None)
+        num_cached = self.req_num_cached_blocks.pop(request.request_id, 0)
+        num_computed = self.req_num_computed_blocks.pop(request.request_id, 0)
+        self.pool.uncache(blocks[num_computed:num_cached])
         self.pool.free(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

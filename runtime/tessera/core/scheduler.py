@@ -202,6 +202,13 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
+        for scheduled in scheduler_output.scheduled:
+            if scheduled.request_id in runner_output.failed:
+                continue  # refused: its blocks were never written
+            request = self._current(scheduled.request_id, scheduler_output)
+            if request is not None:
+                computed = scheduled.start_position + len(scheduled.token_ids)
+                self.kv.confirm_computed(request.request_id, computed)
         for request_id, reason in runner_output.failed.items():
             request = self.requests.get(request_id)
             if request is not None:
