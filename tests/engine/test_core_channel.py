@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -124,3 +125,41 @@ def test_a_core_that_stops_answering_is_unhealthy_until_it_answers_again(
     assert "not answered" in wait_for(client.health_problem)
     os.kill(client.proc.pid, signal.SIGCONT)
     assert wait_for(lambda: client.health_problem() is None)
+
+
+def test_sends_never_block_on_a_frozen_core_and_are_delivered_in_order_once_it_answers(
+    make_client: Callable[[type], SyncMPClient],
+) -> None:
+    """The server's event loop sends requests: a core that stops reading (its socket full) must
+    not freeze it. What the socket does not take waits in the client and goes out afterwards."""
+    client = make_client(FakeEngineCore)
+    client.backlog_timeout_s = 1.0
+    assert client.proc.pid is not None
+    os.kill(client.proc.pid, signal.SIGSTOP)
+    ids = [f"r{i}" for i in range(4000)]
+    started = time.monotonic()
+    for request_id in ids:  # ~2 KB each: far past both sockets' high-water marks
+        client.add_request(replace(request(request_id, 5, 1), prompt_token_ids=[1] * 1000 + [5]))
+    assert client._backlog, "the socket never filled: the test did not reach the backlog"
+    assert time.monotonic() - started < 60  # a blocking send would never have returned
+    assert "taken no request" in wait_for(client.health_problem)
+    os.kill(client.proc.pid, signal.SIGCONT)
+    finished: list[str] = []
+    while len(finished) < len(ids):
+        finished += [out.request_id for out in client.get_output(timeout=30).outputs if out.finished]
+    assert finished == ids  # the fake core serves in arrival order: nothing lost or reordered
+    assert wait_for(lambda: client.health_problem() is None and not client._backlog)
+
+
+def test_a_core_frozen_past_the_fatal_silence_is_killed_and_its_callers_fail(
+    make_client: Callable[[type], SyncMPClient],
+) -> None:
+    client = make_client(FakeEngineCore)
+    client.fatal_silence_s = 3.0
+    assert client.proc.pid is not None
+    client.add_request(request("waiting", 10, 50))
+    os.kill(client.proc.pid, signal.SIGSTOP)
+    with pytest.raises(EngineDeadError, match="did not answer"):
+        while True:
+            client.get_output(timeout=30)
+    assert wait_for(lambda: not client.proc.is_alive())

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -24,7 +26,10 @@ from tests.serving.server import MODEL_NAME, ServerProcess, metric_value
 def small_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("small-server") / "server.log"
     args = ["--max-model-len", "512", "--max-num-seqs", "1", "--max-waiting-requests", "0"]
-    proc = ServerProcess(tiny_llama_dir, *args, api_key=None, log=log)
+    with pytest.MonkeyPatch.context() as env:  # a frozen core is noticed in seconds, never killed
+        env.setenv("TESSERA_ENGINE_HEARTBEAT_TIMEOUT_S", "4")
+        env.setenv("TESSERA_ENGINE_FATAL_SILENCE_S", "600")
+        proc = ServerProcess(tiny_llama_dir, *args, api_key=None, log=log)
     yield proc
     proc.stop()
 
@@ -77,17 +82,89 @@ def test_non_streaming_client_that_gives_up_is_aborted(small_server: ServerProce
     assert aborted >= 14
 
 
+def wait_until_idle(server: ServerProcess) -> None:
+    """Earlier streams were closed: wait until their aborts freed the slot."""
+    deadline = time.monotonic() + 30
+    while metric_value(httpx.get(f"{server.base_url}/metrics").text, "tessera:num_requests_running") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def test_a_frozen_engine_core_turns_new_requests_away_until_it_answers(small_server: ServerProcess) -> None:
+    """Alive but not answering (stopped, swapped out): new work gets a 503 naming why, not a hang."""
+    wait_until_idle(small_server)
+    core = small_server.engine_core_pid()
+    os.kill(core, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{small_server.base_url}/health", timeout=5)).status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert health.status_code == 503 and "not answered" in health.json()["error"]["message"]
+        body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
+        refused = httpx.post(f"{small_server.base_url}/v1/completions", json=body, timeout=10)
+        assert refused.status_code == 503 and "not answered" in refused.json()["error"]["message"]
+        assert int(refused.headers["retry-after"]) >= 1
+    finally:
+        os.kill(core, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{small_server.base_url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    answered = httpx.post(f"{small_server.base_url}/v1/completions", json=body, timeout=60)
+    assert answered.status_code == 200
+
+
+def test_sigterm_answers_what_is_still_open_with_a_503_and_exits_cleanly(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """After its grace period a stopping server ends each open request in OpenAI's error format
+    (a stream with an error event), never with uvicorn's plain-text 500 or a cut connection."""
+    args = ["--max-model-len", "512", "--max-num-seqs", "1"]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESSERA_SHUTDOWN_GRACE_S", "1")
+        server = ServerProcess(tiny_llama_dir, *args, api_key=None, log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        # 16 samples of 400 tokens, one sequence at a time: far longer than the test runs.
+        stream = client.completions.create(
+            model=MODEL_NAME,
+            prompt="Once upon a time",
+            max_tokens=400,
+            n=16,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)
+        outcome: dict[str, Any] = {}
+
+        def waiting_request() -> None:  # waits for the only slot, so it is still open at SIGTERM
+            body = {"model": MODEL_NAME, "prompt": "second", "max_tokens": 400, "n": 16, "ignore_eos": True}
+            response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+            outcome["status"], outcome["body"] = response.status_code, response.json()
+
+        waiter = threading.Thread(target=waiting_request)
+        waiter.start()
+        time.sleep(1.0)
+        server.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in chunks:
+                pass
+        waiter.join(timeout=30)
+        assert outcome["status"] == 503 and "shutting down" in outcome["body"]["error"]["message"]
+        # uvicorn re-raises the SIGTERM it deferred once it has shut down: the usual way to stop.
+        assert server.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in (tmp_path / "server.log").read_text()
+    finally:
+        server.stop()
+
+
 def test_killed_engine_core_fails_the_caller_and_exits_the_server(small_server: ServerProcess) -> None:
     client = openai.OpenAI(
         base_url=f"{small_server.base_url}/v1", api_key="unused", max_retries=0, timeout=60
     )
-    # Earlier streams were closed: wait until their aborts freed the slot.
-    deadline = time.monotonic() + 30
-    while (
-        metric_value(httpx.get(f"{small_server.base_url}/metrics").text, "tessera:num_requests_running") != 0
-    ):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_until_idle(small_server)
     stream = long_stream(client, "Once upon a time")
     chunks = iter(stream)
     next(chunks)

@@ -104,7 +104,20 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self.core.is_alive
+        return self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve now (dead, deaf, stuck), or None."""
+        if self.dead_error is not None:
+            return "the engine core has failed"
+        return self.core.health_problem()
+
+    def fail_open_requests(self, error: BaseException) -> None:
+        """End every open request with `error` (the server is stopping): callers answer at once."""
+        for request_id in list(self._streams):
+            stream = self._streams[request_id]
+            stream.queue.put_nowait(error)
+            self.abort(request_id)
 
     def shutdown(self) -> None:
         if self._handler is not None:

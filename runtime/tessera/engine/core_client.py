@@ -49,6 +49,10 @@ STARTUP_TIMEOUT_S = 900.0  # model loading (and GGUF conversion on a first run) 
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("TESSERA_ENGINE_HEARTBEAT_TIMEOUT_S", "30"))
 # One busy-loop iteration (a step) running this long with work queued means the core is stuck.
 STALL_TIMEOUT_S = float(os.environ.get("TESSERA_ENGINE_STALL_TIMEOUT_S", "60"))
+# A core silent this long (frozen, not dead) is killed, so its callers fail instead of hanging.
+FATAL_SILENCE_S = float(os.environ.get("TESSERA_ENGINE_FATAL_SILENCE_S", str(3 * HEARTBEAT_TIMEOUT_S)))
+# Messages the core has not taken for this long (its input queue full) make it unhealthy.
+BACKLOG_TIMEOUT_S = 5.0
 
 
 class EngineDeadError(RuntimeError):
@@ -65,6 +69,11 @@ class MPClientBase:
         self._own_protocol_errors = 0  # malformed messages from the core, dropped here
         self._shutting_down = False
         self._send_lock = threading.Lock()
+        self.fatal_silence_s = FATAL_SILENCE_S
+        self.backlog_timeout_s = BACKLOG_TIMEOUT_S
+        # Sends never block the caller (the server's event loop): what the core's full input
+        # queue does not take waits here, in order, and the receiver thread retries it.
+        self._backlog: collections.deque[tuple[bytes, bytes, float]] = collections.deque()
         self._ipc_dir = tempfile.mkdtemp(prefix="tessera-core-")
         input_addr = f"ipc://{self._ipc_dir}/input"
         output_addr = f"ipc://{self._ipc_dir}/output"
@@ -139,7 +148,9 @@ class MPClientBase:
         poller = zmq.Poller()
         poller.register(self._output, zmq.POLLIN)
         while not self._shutting_down:
-            if not poller.poll(200):
+            if self._backlog:
+                self._flush_backlog()
+            if not poller.poll(20 if self._backlog else 200):
                 continue
             try:
                 message = self._receive()
@@ -159,10 +170,19 @@ class MPClientBase:
                 log_protocol_error(self._own_protocol_errors, "the engine core", f"unexpected {kind[:32]!r}")
 
     def _monitor_loop(self) -> None:
-        ready = multiprocessing.connection.wait([self.proc.sentinel, self._stop_r])
-        if self.proc.sentinel in ready and not self._shutting_down:
-            self.proc.join(timeout=1)
-            self._mark_dead(f"engine core process died (exit code {self.proc.exitcode})")
+        while True:
+            ready = multiprocessing.connection.wait([self.proc.sentinel, self._stop_r], timeout=1.0)
+            if self._stop_r in ready or self._shutting_down:
+                return
+            if self.proc.sentinel in ready:
+                self.proc.join(timeout=1)
+                self._mark_dead(f"engine core process died (exit code {self.proc.exitcode})")
+                return
+            silent_s = time.monotonic() - self._heartbeat_at
+            if silent_s > self.fatal_silence_s:
+                self._mark_dead(f"engine core did not answer for {silent_s:.0f} s; killed it")
+                self.proc.kill()
+                return
 
     def _mark_dead(self, message: str) -> None:
         if self.dead_error is not None or self._shutting_down:
@@ -176,11 +196,29 @@ class MPClientBase:
 
     # --- requests -------------------------------------------------------------------------
     def _send(self, kind: bytes, payload: Any) -> None:
+        if self._shutting_down:
+            return  # the core is going away with everything it holds
         if self.dead_error is not None:
             raise self.dead_error
         data = serialization.encode(payload)
         with self._send_lock:
-            self._input.send_multipart([kind, data], copy=False)
+            if not self._backlog:
+                try:
+                    self._input.send_multipart([kind, data], zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:
+                    pass
+            self._backlog.append((kind, data, time.monotonic()))
+
+    def _flush_backlog(self) -> None:
+        with self._send_lock:
+            while self._backlog and not self._shutting_down:
+                kind, data, _ = self._backlog[0]
+                try:
+                    self._input.send_multipart([kind, data], zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._backlog.popleft()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(ADD, request)
@@ -205,6 +243,12 @@ class MPClientBase:
             return f"the engine core has not answered for {silent_s:.0f} s"
         if not self._heartbeat.input_alive:
             return "the engine core no longer receives requests"
+        try:  # the receiver thread may empty the backlog meanwhile
+            waited_s = time.monotonic() - self._backlog[0][2]
+        except IndexError:
+            waited_s = 0.0
+        if waited_s > self.backlog_timeout_s:
+            return f"the engine core has taken no request for {waited_s:.0f} s"
         stalled_s = self._heartbeat.stalled_s + silent_s
         if self._heartbeat.stalled_s > 0 and stalled_s > self.stall_timeout_s:
             return f"the engine core has made no progress for {stalled_s:.0f} s"

@@ -8,3 +8,7 @@ class RequestFailedError(RuntimeError):
 
     The message is safe to show the client: no traceback, no file path.
     """
+
+
+class ServerShuttingDownError(RuntimeError):
+    """The server is stopping and could not finish this request within its grace period."""

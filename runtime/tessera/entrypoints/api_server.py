@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tessera.engine.arg_utils import engine_config_from_args
 from tessera.engine.async_llm import AsyncLLM
 from tessera.engine.core_client import EngineDeadError
-from tessera.engine.errors import RequestFailedError
+from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
 from tessera.entrypoints.body_guard import BodyGuard
 from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import (
@@ -51,6 +51,8 @@ logger = logging.getLogger("tessera.api_server")
 
 # Seconds between the engine's death and the server's exit: callers receive their errors first.
 DEAD_ENGINE_GRACE_S = 1.0
+# On SIGTERM, how long open requests may still run before they are answered with a 503.
+SHUTDOWN_GRACE_S = float(os.environ.get("TESSERA_SHUTDOWN_GRACE_S", "5"))
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)
@@ -92,7 +94,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
         engine.start()
         yield
         # Here, not after serve() returns: uvicorn re-raises a captured SIGTERM once serve() ends.
-        engine.shutdown()
+        # Off the loop: stopping the core takes seconds, and the last responses are still going out.
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
     app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=lifespan)
 
@@ -113,6 +116,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     # when the engine is gone; anything else is a bug, answered without its traceback.
     @app.exception_handler(InvalidParameterError)
     @app.exception_handler(RequestFailedError)
+    @app.exception_handler(ServerShuttingDownError)
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(Exception)
     async def on_failure(request: Request, exc: Exception) -> JSONResponse:
@@ -140,9 +144,10 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if engine.is_healthy:
+        problem = engine.health_problem()
+        if problem is None:
             return Response(status_code=200)
-        return error_response("the engine core is not running", HTTPStatus.SERVICE_UNAVAILABLE)
+        return error_response(problem, HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -168,6 +173,27 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM, open requests get SHUTDOWN_GRACE_S to finish; then each is answered with a 503
+    (a JSON error, or an error event that ends its stream) and aborted, rather than cut off by
+    uvicorn's task cancellation (a plain-text 500, or a stream that just stops)."""
+
+    def __init__(self, engine: AsyncLLM, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        def give_up() -> None:
+            error = ServerShuttingDownError("the server is shutting down; retry on another replica")
+            self.engine.fail_open_requests(error)
+
+        late = asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, give_up)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            late.cancel()
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until stopped; returns the process exit code (1 when the engine core died)."""
     logging.basicConfig(
@@ -179,16 +205,18 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLM(config, served_model_name=names[0])
     ctx = ServingContext(engine, names, args.max_waiting_requests, ServingLimits.from_args(args))
     app = build_app(ctx, api_key)
-    server = uvicorn.Server(
+    server = DrainingServer(
+        engine,
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+            # A backstop only: DrainingServer answers what is still open after its grace period.
+            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 5,
             access_log=args.log_level == "debug",
             log_config=None,  # uvicorn's lines go through the root logger: timestamped like ours
-        )
+        ),
     )
 
     def on_dead(error: EngineDeadError) -> None:

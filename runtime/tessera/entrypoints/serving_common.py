@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from tessera.engine.async_llm import AsyncLLM
 from tessera.engine.core_client import EngineDeadError
-from tessera.engine.errors import RequestFailedError
+from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
 from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import ErrorInfo, ErrorResponse
 from tessera.sampling_params import InvalidParameterError, SamplingParams
@@ -55,6 +55,8 @@ class APIError(Exception):
             return cls(f"the engine died ({summary})", HTTPStatus.SERVICE_UNAVAILABLE)
         if isinstance(exc, RequestFailedError):
             return cls(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
+        if isinstance(exc, ServerShuttingDownError):
+            return cls(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
         logger.error("request failed", exc_info=exc)
         return cls(f"internal server error ({type(exc).__name__})", HTTPStatus.INTERNAL_SERVER_ERROR)
 
@@ -151,9 +153,12 @@ class ServingContext:
         whole room is still admitted when the room is empty, or it could never run.
         """
         engine = self.engine
-        if engine.dead_error is not None:
+        problem = engine.health_problem()
+        if problem is not None:  # dead, or alive but not serving (frozen, stuck): never queue behind it
             raise APIError(
-                "the engine is not running", HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"}
+                f"the engine cannot serve now: {problem}",
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                headers={"Retry-After": "5"},
             )
         limit = self.max_waiting_requests
         waiting = engine.num_waiting_requests
