@@ -79,3 +79,32 @@ def test_messages_wait_for_start_and_a_handler_bug_fails_the_engine_not_the_chan
         peer.close(0)
         context.term()
         channel.close()
+
+
+def test_a_step_that_cannot_reach_a_started_rank_fails_the_engine_at_once(tmp_path) -> None:
+    """A rank that missed an EXECUTE would leave its peers in a collective until its timeout
+    (minutes): the leader fails the engine when the send fails, before any heartbeat deadline."""
+    failures: list[str] = []
+    addr = f"ipc://{tmp_path}/rpc"
+    channel = rpc.LeaderChannel([addr], 2, lambda *_: None, failures.append).start()
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, b"rank-1")
+    peer.connect(addr)
+    try:
+        peer.send_multipart([b"HELLO", serialization.encode({"pid": 1})])
+        deadline = time.monotonic() + 10
+        while 1 not in channel.last_seen:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        channel.watch(1)
+        channel.send([1], rpc.PING, None)  # to an unstarted rank or as a ping: never fatal
+        peer.close(0)  # the rank's connection is gone
+        started = time.monotonic()
+        while not failures and time.monotonic() - started < rpc.HEARTBEAT_TIMEOUT_S / 2:
+            channel.send([1], rpc.EXECUTE, {"step": 1})
+            time.sleep(0.1)
+        assert len(failures) == 1 and "rank 1 is unreachable: its EXECUTE message" in failures[0]
+    finally:
+        context.term()
+        channel.close()

@@ -170,6 +170,24 @@ def test_sampling_seed_and_top_k(tiny_llama_dir: Path):
     assert len({tuple(c.token_ids) for c in n3[0].outputs}) > 1  # distinct derived seeds
 
 
+def test_a_seeded_request_samples_the_same_tokens_when_preempted(tiny_llama_dir: Path):
+    """Preemption drops a request's state in the runner, but not its generator: resuming from the
+    seed again would replay draws already used."""
+    prompt = "The history of the Roman empire"
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=60, ignore_eos=True)
+    roomy = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
+    alone = roomy.generate([prompt], seeded)[0].outputs[0].token_ids
+    tight = LLM(
+        str(tiny_llama_dir), num_kv_blocks=24, block_size=8, max_model_len=128, enable_prefix_caching=False
+    )
+    recorder = StatsRecorder(tight)
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    others = ["Once upon a time", "def add(a, b):", "Paris is"]
+    batch = tight.generate([*others, prompt], [greedy] * 3 + [seeded])
+    assert recorder.preemptions > 0, "the KV budget was meant to force preemption"
+    assert batch[-1].outputs[0].token_ids == alone
+
+
 def test_logprobs_and_stop_strings(tiny_llama_dir: Path):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))[0]

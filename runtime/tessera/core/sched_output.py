@@ -36,6 +36,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     finished_request_ids: list[str] = field(default_factory=list)
+    # Those of finished_request_ids that were preempted, not finished: they come back, and their
+    # seeded generators must go on from where they were (a seed gives one output, batched or not).
+    preempted_request_ids: list[str] = field(default_factory=list)
     # How often each scheduled request had been preempted: an output arriving for an older
     # incarnation (pipeline parallelism keeps batches in flight) is dropped.
     preemption_epochs: dict[str, int] = field(default_factory=dict)

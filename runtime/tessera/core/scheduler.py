@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_ids: list[str] = []  # since the last schedule(): workers drop their state
+        self.preempted_ids: list[str] = []  # of those, the ones that will come back
         self.num_preemptions = 0  # since the last stats
         self.preempted_this_step = False
 
@@ -78,6 +79,8 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self.finished_ids.append(request.request_id)
+        if request.request_id in self.preempted_ids:  # preempted, then ended before it came back
+            self.preempted_ids.remove(request.request_id)
 
     # -- one step ------------------------------------------------------------------------------
     def _seqs_per_batch(self) -> int:
@@ -140,6 +143,7 @@ class Scheduler:
         output = SchedulerOutput()
         if num_tokens:  # an empty step is not sent: its finished ids wait for the next one
             output.finished_request_ids, self.finished_ids = self.finished_ids, []
+            output.preempted_request_ids, self.preempted_ids = self.preempted_ids, []
         for request in self.running:
             count = num_tokens.get(request.request_id, 0)
             if count == 0:
@@ -195,6 +199,7 @@ class Scheduler:
         request.num_preemptions += 1
         request.known_to_workers = False
         self.finished_ids.append(request.request_id)  # workers drop its state; it comes back as new
+        self.preempted_ids.append(request.request_id)
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 

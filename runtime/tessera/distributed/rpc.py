@@ -76,6 +76,7 @@ class LeaderChannel:
         # starve a busy machine's threads for seconds; startup has its own timeout).
         self.watched: set[int] = set()
         self._closed = threading.Event()
+        self._failed = False  # on_failure runs once
         self._thread = threading.Thread(target=self._loop, name="rank-channel", daemon=True)
 
     def start(self) -> LeaderChannel:
@@ -111,7 +112,6 @@ class LeaderChannel:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)
         next_ping = time.monotonic()
-        failed = False
         lag = LagMeter()
         while not self._closed.is_set():
             events = dict(poller.poll(100))
@@ -127,20 +127,30 @@ class LeaderChannel:
             if now >= next_ping:
                 next_ping = now + HEARTBEAT_INTERVAL_S
                 self._forward(list(self.last_seen), PING, serialization.encode(None))
-            if not failed:
-                silent = [r for r in self.watched if now - self.last_seen.get(r, now) > HEARTBEAT_TIMEOUT_S]
-                if silent:
-                    failed = True
-                    self._on_failure(
-                        f"rank {silent[0]} stopped answering (no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s)"
-                    )
+            silent = [r for r in self.watched if now - self.last_seen.get(r, now) > HEARTBEAT_TIMEOUT_S]
+            if silent:
+                self._fail(
+                    f"rank {silent[0]} stopped answering (no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s)"
+                )
+
+    def _fail(self, reason: str) -> None:
+        if not self._failed:
+            self._failed = True
+            self._on_failure(reason)
 
     def _forward(self, ranks: list[int], kind: bytes, data: bytes) -> None:
         for rank in ranks:
             try:
                 self._router.send_multipart([_identity(rank), kind, data], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # not connected (yet, or any more): heartbeats judge that
-                logger.debug("cannot send %s to rank %d: %s", kind.decode(), rank, exc)
+            except zmq.ZMQError as exc:
+                if kind in (EXECUTE, CALL) and rank in self.watched:
+                    # A rank that missed a step or a call would leave its peers waiting in a
+                    # collective until it times out: fail now, naming it.
+                    self._fail(
+                        f"rank {rank} is unreachable: its {kind.decode()} message could not be sent ({exc})"
+                    )
+                else:  # not connected yet, or a ping: heartbeats judge that
+                    logger.debug("cannot send %s to rank %d: %s", kind.decode(), rank, exc)
 
     def _receive(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -163,7 +173,7 @@ class LeaderChannel:
             self._on_message(rank, kind, payload)
         except Exception:  # the I/O thread must outlive a handler's bug: fail the engine, loudly
             logger.exception("rank channel: handling %r from rank %d failed", kind[:16], rank)
-            self._on_failure(f"the leader failed to handle a {kind[:16]!r} message from rank {rank}")
+            self._fail(f"the leader failed to handle a {kind[:16]!r} message from rank {rank}")
 
 
 class WorkerLink:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
@@ -29,6 +30,18 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self._request_counter = itertools.count()
+        # Rank processes and their IPC folder go with this object (or at interpreter exit).
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine (its rank processes, for a parallel layout); idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.input_processor.tokenizer

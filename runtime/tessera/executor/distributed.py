@@ -110,8 +110,14 @@ class DistributedExecutor(Executor):
         env[LOCAL_WORLD_SIZE_ENV] = str(local_world)
         if self.topology.leader_addr in ("127.0.0.1", "localhost"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # The parent-death signal fires when the *thread* that started the rank ends: only the
+        # main thread lives as long as the process (an offline LLM may be built on any thread).
+        # Elsewhere a rank still exits when its leader falls silent (WorkerLink's heartbeat).
+        on_main_thread = threading.current_thread() is threading.main_thread()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tessera.cli", "worker"], env=env, preexec_fn=_die_with_parent
+            [sys.executable, "-m", "tessera.cli", "worker"],
+            env=env,
+            preexec_fn=_die_with_parent if on_main_thread else None,
         )
         threading.Thread(
             target=self._watch, args=(rank, proc), name=f"watch-rank-{rank}", daemon=True

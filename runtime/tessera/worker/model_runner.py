@@ -84,6 +84,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Requests that failed here (id -> reason), reported every step until the scheduler drops them.
         self.failed: dict[str, str] = {}
+        # Seeded generators of preempted requests, until they resume (or finish while waiting).
+        self.paused_generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._steps, self._step_seconds = 0, 0.0
 
@@ -125,9 +127,15 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        preempted = set(scheduler_output.preempted_request_ids)
         for request_id in scheduler_output.finished_request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
             self.failed.pop(request_id, None)
+            generator = self.paused_generators.pop(request_id, None)
+            if request_id in preempted:
+                generator = state.generator if state is not None else generator
+                if generator is not None:
+                    self.paused_generators[request_id] = generator
         for scheduled in scheduler_output.scheduled:
             if scheduled.request_id in self.failed and scheduled.request_id not in self.requests:
                 continue  # refused on arrival: every rank refuses it alike and leaves it out
@@ -152,8 +160,8 @@ class ModelRunner:
         token_ids = new.prompt_token_ids + new.output_token_ids
         if any(not 0 <= token < self.vocab_size for token in token_ids):
             raise ValueError(f"token ids must be in [0, {self.vocab_size}) for this model")
-        generator = None
-        if new.sampling_params.seed is not None:
+        generator = self.paused_generators.pop(scheduled.request_id, None)  # resumed: goes on
+        if generator is None and new.sampling_params.seed is not None:
             generator = torch.Generator(device=self.device)
             try:
                 generator.manual_seed(new.sampling_params.seed)
