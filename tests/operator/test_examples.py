@@ -19,8 +19,9 @@ def test_examples_pass_the_cross_field_rules(path: Path, doc: dict[str, Any]) ->
     assert validate_object(doc["metadata"]["name"], doc["spec"]) == []
 
 
-def test_every_example_is_an_inference_cluster_or_a_network_policy() -> None:
-    assert {d["kind"] for _, d in DOCS} == {"InferenceCluster", "NetworkPolicy"}
+def test_every_example_is_an_inference_cluster_a_network_policy_or_argo_cds_health_check() -> None:
+    assert {d["kind"] for _, d in DOCS} == {"InferenceCluster", "NetworkPolicy", "ConfigMap"}
+    assert [d["metadata"]["name"] for _, d in DOCS if d["kind"] == "ConfigMap"] == ["argocd-cm"]
 
 
 def test_gpu_example_places_one_gpu_per_rank_with_tp_on_one_node() -> None:
