@@ -341,5 +341,36 @@ def build_client_service(ref: ClusterRef) -> dict[str, Any]:
     )
 
 
+def build_disruption_budget(
+    ref: ClusterRef, spec: InferenceClusterSpec, api_version: str
+) -> dict[str, Any] | None:
+    """A node drain evicts one rank pod of the cluster at a time, and the next only once every
+    pod is Ready again: one evicted rank takes its whole group down (the group restarts), so this
+    takes groups down one by one while the others serve. None below two replicas: a drain must
+    always be able to proceed, and one group cannot stay up through it anyway."""
+    if spec.replicas < 2:
+        return None
+    pods = spec.replicas * spec.parallelism.tensor * spec.parallelism.pipeline
+    budget: dict[str, Any] = {
+        # An integer minAvailable: the disruption controller counts the selected pods and needs
+        # no scale subresource in pods (ours counts groups).
+        "minAvailable": pods - 1,
+        "selector": {"matchLabels": naming.cluster_selector(ref.name)},
+    }
+    if api_version == "policy/v1":  # 1.26+: a pod that is not Ready serves nothing; let it go
+        budget["unhealthyPodEvictionPolicy"] = "AlwaysAllow"
+    return {
+        "apiVersion": api_version,
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": ref.name,
+            "namespace": ref.namespace,
+            "labels": {**naming.MANAGED_BY, naming.CLUSTER_LABEL: ref.name},
+            "ownerReferences": [owner_reference(ref)],
+        },
+        "spec": budget,
+    }
+
+
 def endpoint_of(ref: ClusterRef) -> str:
     return f"http://{naming.client_service_name(ref.name)}.{ref.namespace}.svc:{DEFAULT_API_PORT}/v1"

@@ -22,7 +22,7 @@ from typing import Any
 from tessera_operator import api, autoscaler, builders, naming
 from tessera_operator.api import AutoscalingStatus, InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
-from tessera_operator.observe import Observation, observe
+from tessera_operator.observe import Observation, controlled_by, observe
 from tessera_operator.planner import Event, plan
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
@@ -60,6 +60,7 @@ class Reconciler:
         self.policy = policy or PodPolicy()
         self.autoscale_interval = autoscale_interval
         self._scale_histories: dict[str, autoscaler.History] = {}  # by cluster uid
+        self._policy_version: str | None = None  # of PodDisruptionBudgets, once discovered
         # Occurrences of each Event this process posted (by name, least recent first), so a
         # repeat bumps the count; bounded like client-go's correlator cache.
         self._event_counts: dict[str, int] = {}
@@ -122,6 +123,7 @@ class Reconciler:
         writes = [
             *(self.create(core_path(namespace, "pods"), pod) for pod in to_create),
             self.ensure_services(ref, services),
+            self.ensure_disruption_budget(ref, spec),
             *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
         ]
         intent = previous
@@ -271,6 +273,42 @@ class Reconciler:
                         "ownerReferences": desired["metadata"]["ownerReferences"],
                     }
                     await self.client.request("PUT", core_path(ref.namespace, "services", name), body=fixed)
+
+    async def policy_version(self) -> str:
+        """policy/v1 where the API server has it (1.21+), else policy/v1beta1 (gone in 1.25)."""
+        if self._policy_version is None:
+            try:
+                await self.client.get("/apis/policy/v1")
+                self._policy_version = "v1"
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+                self._policy_version = "v1beta1"
+        return self._policy_version
+
+    async def ensure_disruption_budget(self, ref: builders.ClusterRef, spec: InferenceClusterSpec) -> None:
+        version = await self.policy_version()
+        path = custom_path("policy", version, ref.namespace, "poddisruptionbudgets")
+        desired = builders.build_disruption_budget(ref, spec, f"policy/{version}")
+        try:
+            current = await self.client.get(f"{path}/{ref.name}")
+        except ApiError as exc:
+            if exc.status != 404:
+                raise refusal(FAILED_CREATE, f"reading poddisruptionbudget {ref.name}", exc) from exc
+            current = None
+        if current is not None and not controlled_by(current, ref.uid):
+            return  # someone else's budget of that name: never ours to change
+        try:
+            if desired is None:
+                if current is not None:
+                    await self.client.delete(f"{path}/{ref.name}", uid=current["metadata"]["uid"])
+            elif current is None:
+                await self.create(path, desired)
+            elif any(current["spec"].get(k) != v for k, v in desired["spec"].items()):
+                await self.client.merge_patch(f"{path}/{ref.name}", {"spec": desired["spec"]})
+        except ApiError as exc:
+            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
+                raise refusal(FAILED_CREATE, f"updating poddisruptionbudget {ref.name}", exc) from exc
 
     async def post_events(self, ref: builders.ClusterRef, events: list[Event]) -> None:
         """One Event object per (object, type, reason, message), as client-go's correlator keeps

@@ -117,8 +117,16 @@ class FakeKubelet:
     """Marks every new pod Running (leaders Ready unless `leaders_ready` is False), like a kubelet
     would; with `pod_ip`, every pod gets that address."""
 
-    def __init__(self, cluster: Any, ns: str, leaders_ready: bool = True, pod_ip: str | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        ns: str,
+        leaders_ready: bool = True,
+        pod_ip: str | None = None,
+        workers_ready: bool = False,
+    ) -> None:
         self.cluster, self.ns, self.leaders_ready, self.pod_ip = cluster, ns, leaders_ready, pod_ip
+        self.workers_ready = workers_ready  # as a kubelet has them: no readiness probe, Ready once running
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.started: set[str] = set()  # uids
@@ -143,7 +151,7 @@ class FakeKubelet:
                         self.cluster,
                         self.ns,
                         pod["metadata"]["name"],
-                        running(leader and self.leaders_ready, self.pod_ip),
+                        running(self.leaders_ready if leader else self.workers_ready, self.pod_ip),
                     )
                     self.started.add(uid)
             except Exception:  # a pod vanished between list and patch: next round

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 from typing import Any
 
 from tests.integration.operator_harness import (
@@ -106,6 +107,47 @@ def test_scale_adds_and_removes_whole_groups(crds: Any, k8s_namespace: str) -> N
         cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=1")
         wait_for(lambda: {n.split("-")[1] for n in pod_names(cluster, ns)} == {"g0"}, "only group 0")
         wait_for(lambda: ic(cluster, ns, "smollm2")["status"]["replicas"] == 1, "status.replicas 1")
+
+
+def evict(cluster: Any, ns: str, name: str) -> int:
+    """The eviction API, as `kubectl drain` calls it: 201 when allowed, 429 when a budget forbids."""
+    body = {"apiVersion": "policy/v1beta1", "kind": "Eviction", "metadata": {"name": name, "namespace": ns}}
+    try:
+        cluster.api("POST", f"/api/v1/namespaces/{ns}/pods/{name}/eviction", body)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    return 201
+
+
+def test_a_node_drain_takes_down_one_group_at_a_time(crds: Any, k8s_namespace: str) -> None:
+    """The disruption budget lets one rank pod be evicted; its group restarts as a whole, and no
+    other pod may go until every pod is Ready again. Below two replicas there is no budget."""
+    cluster, ns = crds, k8s_namespace
+    with running_operator(cluster, ns), FakeKubelet(cluster, ns, workers_ready=True):
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
+        budget = wait_for(lambda: kjson(cluster, "get", "pdb", "smollm2", "-n", ns), "the disruption budget")
+        assert budget["spec"]["minAvailable"] == 7
+        assert budget["metadata"]["ownerReferences"][0]["kind"] == "InferenceCluster"
+        wait_for(
+            lambda: (
+                kjson(cluster, "get", "pdb", "smollm2", "-n", ns)["status"].get("disruptionsAllowed") == 1
+            ),
+            "one disruption allowed once all 8 pods are Ready",
+        )
+        assert evict(cluster, ns, "smollm2-g1-s1-t1") == 201
+        # The evicted rank's group restarts; until it is back, nothing else may be evicted.
+        assert evict(cluster, ns, "smollm2-g0-s0-t0") == 429
+        wait_for(
+            lambda: (
+                kjson(cluster, "get", "pdb", "smollm2", "-n", ns)["status"].get("disruptionsAllowed") == 1
+            ),
+            "the budget open again once group 1 is back",
+            timeout=60,
+        )
+        cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=1")
+        wait_for(
+            lambda: not cluster.kubectl("get", "pdb", "-n", ns, "-o", "name").stdout.strip(), "no budget"
+        )
 
 
 def test_failed_pod_restarts_its_whole_group_with_backoff(crds: Any, k8s_namespace: str) -> None:

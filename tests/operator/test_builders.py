@@ -207,3 +207,20 @@ def test_the_user_may_point_the_cache_at_a_volume_of_their_own() -> None:
     pod = builders.build_pod(REF, spec, "r", 0, 0, 0)
     names = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
     assert names.count("TESSERA_CACHE") == 1 and env_dict(pod)["TESSERA_CACHE"] == "/models/cache"
+
+
+def test_the_disruption_budget_lets_one_rank_go_at_a_time_and_only_with_two_groups() -> None:
+    def budget(replicas: int, version: str = "policy/v1") -> dict[str, Any] | None:
+        spec = InferenceClusterSpec.model_validate(
+            {"model": {"source": "m"}, "parallelism": {"tensor": 2, "pipeline": 3}, "replicas": replicas}
+        )
+        return builders.build_disruption_budget(REF, spec, version)
+
+    assert budget(0) is None and budget(1) is None  # a drain must always be able to proceed
+    two = budget(2)
+    assert two is not None and two["spec"]["minAvailable"] == 11
+    assert two["spec"]["selector"] == {"matchLabels": {"tessera.dev/cluster": "demo"}}
+    assert two["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert two["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    old = budget(2, "policy/v1beta1")
+    assert old is not None and "unhealthyPodEvictionPolicy" not in old["spec"]

@@ -80,4 +80,7 @@ and set replicas through the scale subresource when a cluster autoscales (as the
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end -}}
