@@ -78,3 +78,34 @@ def test_threads_are_pinned_one_per_cpu_and_stay_pinned() -> None:
     assert report["pinned"] == cpus
     single = sorted(mask[0] for mask in report["masks"] if len(mask) == 1)
     assert single == cpus, f"expected one thread pinned to each of {cpus}, got masks {report['masks']}"
+
+
+def test_a_containers_cpu_limit_caps_the_default_threads(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod limited to a few CPUs sees every core of its node: its threads follow the limit."""
+    from pathlib import Path
+
+    from tessera.worker import cpu_binding, worker
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("250000 100000\n")  # 2.5 CPUs: 2 threads never throttle
+    assert cpu_binding.cgroup_cpu_limit(v2) == 2
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_binding.cgroup_cpu_limit(v2) is None
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_binding.cgroup_cpu_limit(v1.parent) == 1  # half a CPU still runs one thread
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_binding.cgroup_cpu_limit(v1.parent) is None
+    assert cpu_binding.cgroup_cpu_limit(Path(tmp_path / "none")) is None
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(worker, "PROCESS_CPUS", frozenset(range(64)))
+    monkeypatch.setattr(worker, "cgroup_cpu_limit", lambda: 4)
+    assert worker.default_num_threads() == 4 and worker.default_num_threads(local_world_size=2) == 2
+    monkeypatch.setattr(worker, "cgroup_cpu_limit", lambda: None)
+    assert worker.default_num_threads(local_world_size=2) == 32
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert worker.default_num_threads() == 3

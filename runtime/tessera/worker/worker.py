@@ -22,7 +22,7 @@ from tessera.distributed.communication import COMM_STATS
 from tessera.distributed.parallel_state import destroy_distributed, init_distributed
 from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.topology import Topology
-from tessera.worker.cpu_binding import PROCESS_CPUS, bind_threads
+from tessera.worker.cpu_binding import PROCESS_CPUS, bind_threads, cgroup_cpu_limit
 from tessera.worker.cpu_memory import retain_freed_memory
 from tessera.worker.model_runner import ModelRunner
 
@@ -47,10 +47,14 @@ def select_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 
 def default_num_threads(local_world_size: int = 1) -> int:
     """OMP_NUM_THREADS when set (e.g. a pod's env), else this process's share of the cores it may
-    run on (its affinity mask, e.g. a container's)."""
+    run on: its affinity mask, capped by its container's CPU limit."""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, len(PROCESS_CPUS) // local_world_size)
+    cpus = len(PROCESS_CPUS)
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cpus = min(cpus, limit)
+    return max(1, cpus // local_world_size)
 
 
 class Worker:
