@@ -39,7 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tessera-operator", description=__doc__)
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument(
-        "-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)"
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch this namespace (repeatable; default: $TESSERA_OPERATOR_NAMESPACES, comma-separated)",
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster")
     parser.add_argument("--kubeconfig", default=CONFIG.kubeconfig, help="default: $KUBECONFIG or in-cluster")
@@ -135,7 +139,10 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     CONFIG.kubeconfig = args.kubeconfig
-    CONFIG.namespaces = list(args.namespace)
+    namespaces = [] if args.all_namespaces else list(args.namespace) or list(CONFIG.namespaces)
+    if not namespaces and not args.all_namespaces:  # kopf would quietly watch every namespace
+        raise SystemExit("tessera-operator: name the namespaces to watch (-n NAMESPACE) or pass -A")
+    CONFIG.namespaces = namespaces
     CONFIG.workers = args.workers
     CONFIG.concurrency = args.concurrency
     CONFIG.resync_seconds = args.resync_seconds
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     kopf.run(
         standalone=True,  # one replica (Recreate strategy); no peering objects needed
         clusterwide=args.all_namespaces,
-        namespaces=args.namespace,
+        namespaces=namespaces,
         liveness_endpoint=args.liveness or None,
     )
 

@@ -1,4 +1,4 @@
-"""``tessera`` command line: generate | serve | bench.
+"""``tessera`` command line: generate | serve | bench | worker (a rank process of a parallel layout).
 
 Each subcommand's module registers its own flags; this file only wires them.
 """

@@ -202,3 +202,12 @@ def test_operator_flags_refuse_what_would_spin_or_stall_it() -> None:
             parse_args([flag])
     with pytest.raises(SystemExit):
         parse_args(['--webhook-namespace-selector={"team": "a"}'])  # not a LabelSelector
+
+
+def test_the_operator_refuses_to_start_without_a_scope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither -n nor -A: kopf would quietly watch the whole cluster with namespaced RBAC."""
+    from tessera_operator import __main__ as cli
+
+    monkeypatch.setattr(cli.CONFIG, "namespaces", [])
+    with pytest.raises(SystemExit, match="-n NAMESPACE"):
+        cli.main([])

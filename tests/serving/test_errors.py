@@ -50,6 +50,18 @@ USER = [{"role": "user", "content": "x"}]
         ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
+        # vLLM's structured-output and token-constraint extras: refused, not ignored.
+        ("/v1/chat/completions", {"messages": USER, "guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/completions", {"prompt": "hi", "guided_choice": ["yes", "no"]}, "guided_choice"),
+        ("/v1/completions", {"prompt": "hi", "guided_regex": "[0-9]+"}, "guided_regex"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "structured_outputs": {"json": {}}},
+            "structured_outputs",
+        ),
+        ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "bad_words": ["no"]}, "bad_words"),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )
 def test_invalid_parameters_are_400(

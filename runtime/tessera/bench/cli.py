@@ -90,7 +90,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     print_summary(summary)
     stem = args.result_name or f"bench-serve-{datetime.now():%Y%m%d-%H%M%S}"
     json_path, png_path = write_results(Path(args.result_dir) / stem, summary, results)
-    print(f"wrote {json_path} and {png_path}")
+    if png_path is None:
+        print(f"wrote {json_path} (no plot: matplotlib is not installed)")
+    else:
+        print(f"wrote {json_path} and {png_path}")
     return 0 if summary["failed_requests"] == 0 else 1
 
 

@@ -72,13 +72,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 def write_results(
     path_stem: Path, summary: dict[str, Any], results: list[RequestResult]
-) -> tuple[Path, Path]:
-    """`<stem>.json` (summary + per-request samples) and `<stem>.png` (latency distributions, throughput)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+) -> tuple[Path, Path | None]:
+    """`<stem>.json` (summary + per-request samples) and `<stem>.png` (latency distributions,
+    throughput); the plot only where matplotlib is installed (the runtime image leaves it out)."""
     path_stem.parent.mkdir(parents=True, exist_ok=True)
     ok = [r for r in results if r.success]
     data = {
@@ -95,6 +91,12 @@ def write_results(
     }
     json_path = path_stem.with_suffix(".json")
     json_path.write_text(json.dumps(data, indent=2) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        return json_path, None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(22, 4.5))
     series = {

@@ -105,6 +105,19 @@ class UsageInfo(OpenAIModel):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32)]], Field(min_length=1)]
 
 
+UNSUPPORTED_VLLM_EXTRAS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "bad_words",
+    "allowed_token_ids",
+    "logits_processors",
+    "prompt_logprobs",
+)
+
+
 class SamplingFields(RequestModel):
     """Fields both endpoints share; `to_sampling_params` turns them into the engine's SamplingParams."""
 
@@ -128,10 +141,29 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's extras that constrain or score output, which Tessera does not do: declared so that
+    # asking for them is refused (a client would otherwise trust unconstrained text).
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: list[Any] | None = None
+    prompt_logprobs: int | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options", "stream_options can only be given with stream=true")
+        for name in UNSUPPORTED_VLLM_EXTRAS:
+            if getattr(self, name) is not None:
+                hint = (
+                    " (completions: echo with logprobs scores the prompt)"
+                    if name == "prompt_logprobs"
+                    else ""
+                )
+                raise InvalidParameterError(name, f"{name} is not supported{hint}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
