@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-pods-per-cluster",
         type=positive_int,
         default=policy.max_pods_per_cluster,
-        help="cap on (replicas + maxSurge) x tensor x pipeline of one InferenceCluster",
+        help="cap on (max(replicas, autoscaling.maxReplicas) + maxSurge) x tensor x pipeline of a cluster",
     )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)

@@ -229,6 +229,18 @@ class RestartPolicySpec(Wire):
     )
 
 
+class DisruptionBudgetSpec(Wire):
+    """The PodDisruptionBudget the operator keeps from two replicas on (node drains, evictions)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Keep a PodDisruptionBudget (minAvailable: every pod but one) while replicas >= 2: "
+        "a drain evicts one rank, then waits until every pod is Ready again, so groups go down one at "
+        "a time. Off: evictions are not limited (a group that cannot become Ready then never blocks a "
+        "drain).",
+    )
+
+
 class AutoscalingSpec(Wire):
     """Queue-depth autoscaling of replica groups (the operator's own autoscaler, HPA's rules)."""
 
@@ -264,7 +276,7 @@ class InferenceClusterSpec(Wire):
         ge=0,
         le=MAX_REPLICAS,
         description=f"Replica (data-parallel) groups, at most {MAX_REPLICAS}; the operator also caps "
-        "pods per cluster (replicas x tensor x pipeline).",
+        "pods per cluster ((max(replicas, autoscaling.maxReplicas) + rollout.maxSurge) x tensor x pipeline).",
     )
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
     template: TemplateSpec = Field(default_factory=TemplateSpec, description="Rank pod template.")
@@ -274,6 +286,9 @@ class InferenceClusterSpec(Wire):
         default_factory=RestartPolicySpec, description="Group restart policy."
     )
     autoscaling: AutoscalingSpec | None = Field(default=None, description="Queue-depth autoscaling.")
+    disruption_budget: DisruptionBudgetSpec = Field(
+        default_factory=DisruptionBudgetSpec, description="Eviction limits for node drains."
+    )
 
 
 GroupPhase = Literal["Pending", "Starting", "Ready", "Failed", "BackingOff", "Updating", "Terminating"]

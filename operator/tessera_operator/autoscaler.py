@@ -56,7 +56,8 @@ class History:
 
 
 def parse_gauge(text: str, metric: str) -> float | None:
-    """The sum of `metric`'s samples in a Prometheus text exposition, or None if it has none."""
+    """The sum of `metric`'s samples in a Prometheus text exposition, or None if it has none or
+    any sample is not a finite count (NaN, +Inf, negative): a queue depth that cannot be."""
     total, found = 0.0, False
     for line in text.splitlines():
         if not line.startswith(metric) or line.startswith("#"):
@@ -69,9 +70,12 @@ def parse_gauge(text: str, metric: str) -> float | None:
             rest = rest.rsplit("}", 1)[-1]
         value = rest.split()  # the value, then an optional timestamp
         try:
-            total += float(value[0])
+            sample = float(value[0])
         except (IndexError, ValueError):
             continue
+        if not math.isfinite(sample) or sample < 0:
+            return None
+        total += sample
         found = True
     return total if found else None
 

@@ -348,7 +348,7 @@ def build_disruption_budget(
     pod is Ready again: one evicted rank takes its whole group down (the group restarts), so this
     takes groups down one by one while the others serve. None below two replicas: a drain must
     always be able to proceed, and one group cannot stay up through it anyway."""
-    if spec.replicas < 2:
+    if spec.replicas < 2 or not spec.disruption_budget.enabled:
         return None
     pods = spec.replicas * spec.parallelism.tensor * spec.parallelism.pipeline
     budget: dict[str, Any] = {

@@ -46,6 +46,9 @@ class KubeClient:
         self._ssl = ssl_context
         self._concurrency = concurrency
         self._session: aiohttp.ClientSession | None = None
+        # Watches hold a connection for minutes each (two per watched namespace): on the request
+        # pool they would starve every GET and PATCH once namespaces reach half its size.
+        self._watch_session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None, concurrency: int = 64) -> KubeClient:
@@ -85,9 +88,16 @@ class KubeClient:
             )
         return self._session
 
+    async def watch_session(self) -> aiohttp.ClientSession:
+        if self._watch_session is None or self._watch_session.closed:
+            connector = aiohttp.TCPConnector(limit=0, ssl=self._ssl)
+            self._watch_session = aiohttp.ClientSession(connector=connector)
+        return self._watch_session
+
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._watch_session):
+            if session is not None:
+                await session.close()
 
     async def request(
         self,
@@ -123,7 +133,7 @@ class KubeClient:
 
     async def watch(self, path: str, params: dict[str, str]) -> AsyncIterator[dict[str, Any]]:
         """Stream a watch's events (one JSON object per line); ends when the server closes it."""
-        session = await self.session()
+        session = await self.watch_session()
         headers = {**self._headers(), "Accept": "application/json"}
         timeout = aiohttp.ClientTimeout(total=None, sock_read=float(params.get("timeoutSeconds", 300)) + 30)
         async with session.get(

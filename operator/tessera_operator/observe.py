@@ -17,6 +17,7 @@ from tessera_operator import naming
 from tessera_operator.timeutil import from_rfc3339
 
 GROUP_SIZE_ANNOTATION = "tessera.dev/group-size"
+POD_DELETED = "PodDeleted"  # a started group misses pods: someone removed them
 
 
 @dataclass
@@ -85,8 +86,13 @@ class GroupObservation:
                 return f"{name}: {reason}"
         size = self.expected_size
         if self.started and size is not None and len(self.pods) < size:
-            return f"PodDeleted: {size - len(self.pods)} of {size} pods missing"
+            return f"{POD_DELETED}: {size - len(self.pods)} of {size} pods missing"
         return None
+
+
+def is_disruption(failure: str) -> bool:
+    """A rank removed from outside (evicted by a drain, preempted, deleted), not one that failed."""
+    return failure.startswith(POD_DELETED)
 
 
 def pod_failure(pod: dict[str, Any]) -> str | None:

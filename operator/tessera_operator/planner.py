@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera_operator.api import GroupStatus, InferenceClusterSpec
-from tessera_operator.observe import GroupObservation, Observation
-from tessera_operator.restart import record_failure, seconds_until_restart
+from tessera_operator.observe import GroupObservation, Observation, is_disruption
+from tessera_operator.restart import record_disruption, record_failure, seconds_until_restart
 from tessera_operator.rollout import GroupState, choose_replacements, surge_count
 from tessera_operator.timeutil import to_rfc3339
 
@@ -150,6 +150,18 @@ def _plan_group(
             )
 
     failure = obs.failure()
+    if failure is not None and is_disruption(failure):
+        disrupted = record_disruption(status, failure, now)
+        result.delete_pods += sorted(obs.pods)
+        result.requeue(0.0)
+        result.events.append(
+            Event(
+                "Normal",
+                "GroupDisrupted",
+                f"group {index} lost a rank from outside ({failure}); recreating it now, without backoff",
+            )
+        )
+        return disrupted.model_copy(update={"pods": len(obs.pods)})
     if failure is not None:
         failed = record_failure(status, failure, now, spec.restart_policy)
         result.delete_pods += sorted(obs.pods)

@@ -127,8 +127,10 @@ class Reconciler:
             *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
         ]
         intent = previous
-        if decision.delete_pods:
-            # Intent first: a backoff deadline or an Updating mark must survive a crash mid-pass.
+        if decision.delete_pods or decision.create_groups:
+            # Intent first: a backoff deadline, an Updating mark or a group recreated after its
+            # backoff must survive a crash or a failed write mid-pass (or the next pass would
+            # take the recreated group for one still backing off, and tear it down).
             intent = keep_degraded(status, previous, WRITE_FAILURES)
             await self.write_status(ic_path, previous, intent)
         refused = await self.refused_writes(writes)
@@ -174,8 +176,14 @@ class Reconciler:
             return kept, history.last_sample + self.autoscale_interval - now
         leaders = [g.leader for _, g in sorted(observation.groups.items()) if g.leader_ready and g.leader]
         depths = await queue_depths(leaders, settings.metric)
-        sample = autoscaler.sample_of(depths, spec.replicas)
-        decision = autoscaler.decide(settings, spec.replicas, sample, history, now)
+        try:  # pure; a bug here must cost this sample, never the pass (restarts, status)
+            sample = autoscaler.sample_of(depths, spec.replicas)
+            decision = autoscaler.decide(settings, spec.replicas, sample, history, now)
+        except Exception:
+            log.exception("%s/%s: cannot decide a scale from %s", ref.namespace, ref.name, depths)
+            history.last_sample = now
+            kept = status.model_copy(update={"autoscaling": previous.autoscaling})
+            return kept, self.autoscale_interval
         last_scale = previous.autoscaling.last_scale_time if previous.autoscaling else None
         if decision.desired != spec.replicas:
             verb = "ScaledUp" if decision.desired > spec.replicas else "ScaledDown"
@@ -260,19 +268,26 @@ class Reconciler:
             if current is None:
                 await self.create(path, desired)
             elif service_drifted(current, desired):
-                if desired["spec"].get("clusterIP") == "None" and current["spec"].get("clusterIP") != "None":
-                    await self.client.delete(
-                        core_path(ref.namespace, "services", name), uid=current["metadata"]["uid"]
-                    )
-                    await self.create(path, desired)  # clusterIP is immutable: recreate
-                else:
-                    fixed = dict(current)
-                    fixed["spec"] = {**current["spec"], **desired["spec"]}
-                    fixed["metadata"] = {
-                        **current["metadata"],
-                        "ownerReferences": desired["metadata"]["ownerReferences"],
-                    }
-                    await self.client.request("PUT", core_path(ref.namespace, "services", name), body=fixed)
+                try:
+                    await self.repair_service(ref, current, desired)
+                except ApiError as exc:
+                    if exc.status not in (404, 409):  # gone or changed meanwhile: look again next pass
+                        raise refusal(FAILED_CREATE, f"repairing service {name}", exc) from exc
+
+    async def repair_service(
+        self, ref: builders.ClusterRef, current: dict[str, Any], desired: dict[str, Any]
+    ) -> None:
+        name = desired["metadata"]["name"]
+        if desired["spec"].get("clusterIP") == "None" and current["spec"].get("clusterIP") != "None":
+            await self.client.delete(
+                core_path(ref.namespace, "services", name), uid=current["metadata"]["uid"]
+            )
+            await self.create(core_path(ref.namespace, "services"), desired)  # clusterIP is immutable
+            return
+        fixed = dict(current)
+        fixed["spec"] = {**current["spec"], **desired["spec"]}
+        fixed["metadata"] = {**current["metadata"], "ownerReferences": desired["metadata"]["ownerReferences"]}
+        await self.client.request("PUT", core_path(ref.namespace, "services", name), body=fixed)
 
     async def policy_version(self) -> str:
         """policy/v1 where the API server has it (1.21+), else policy/v1beta1 (gone in 1.25)."""
@@ -304,7 +319,7 @@ class Reconciler:
                     await self.client.delete(f"{path}/{ref.name}", uid=current["metadata"]["uid"])
             elif current is None:
                 await self.create(path, desired)
-            elif any(current["spec"].get(k) != v for k, v in desired["spec"].items()):
+            elif budget_drifted(current["spec"], desired["spec"]):
                 await self.client.merge_patch(f"{path}/{ref.name}", {"spec": desired["spec"]})
         except ApiError as exc:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
@@ -366,6 +381,16 @@ def refusal(reason: str, what: str, exc: ApiError) -> Exception:
     if exc.status in RETRYABLE or exc.status < 400:
         return exc
     return WriteRefused(reason, f"{what}: {exc}")
+
+
+def budget_drifted(current: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """Whether a budget's spec differs from ours in what the API server keeps: one that drops a
+    field it does not know (unhealthyPodEvictionPolicy before 1.27) must not be patched each pass."""
+    return any(
+        current.get(key) != value
+        for key, value in desired.items()
+        if key in ("minAvailable", "selector") or key in current
+    )
 
 
 def service_drifted(current: dict[str, Any], desired: dict[str, Any]) -> bool:

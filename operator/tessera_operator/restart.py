@@ -43,3 +43,19 @@ def record_failure(group: GroupStatus, reason: str, now: float, policy: RestartP
 def seconds_until_restart(group: GroupStatus, now: float) -> float:
     deadline = from_rfc3339(group.next_restart_time)
     return 0.0 if deadline is None else max(deadline - now, 0.0)
+
+
+def record_disruption(group: GroupStatus, reason: str, now: float) -> GroupStatus:
+    """A rank deleted from outside (a drain's eviction, preemption, `kubectl delete pod`) is no
+    crash: the group restarts at once and its backoff neither grows nor resets."""
+    return group.model_copy(
+        update={
+            "phase": "BackingOff",
+            "ready": False,
+            "last_failure": reason,
+            "last_failure_time": to_rfc3339(now),
+            "backoff_seconds": 0.0,
+            "next_restart_time": to_rfc3339(now),
+            "ready_since": None,
+        }
+    )

@@ -32,11 +32,13 @@ def surge_count(replicas: int, max_surge: int, ordinal: list[GroupState], surge_
 def choose_replacements(
     replicas: int, max_unavailable: int, ordinal: list[GroupState], surge: list[GroupState]
 ) -> list[int]:
-    """Outdated ordinal groups to tear down now (highest index first, like a StatefulSet)."""
+    """Outdated groups to tear down now (highest index first, like a StatefulSet). Surge groups
+    count too: one made for an earlier revision (the spec changed again mid-rollout) would
+    otherwise keep that revision forever, and the rollout would wait on it forever."""
     available = sum(1 for g in ordinal + surge if g.ready)
     min_available = max(replicas - max_unavailable, 0)
     chosen = []
-    for group in sorted(ordinal, key=lambda g: -g.index):
+    for group in sorted(ordinal + surge, key=lambda g: -g.index):
         if not group.exists or group.updated:
             continue
         if not group.ready:

@@ -39,6 +39,13 @@ def test_the_gauge_is_read_by_exact_name_and_summed_over_its_samples() -> None:
     assert parse_gauge("tessera:num_requests_waiting NaNx\n", METRIC) is None
 
 
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf", "-3"])
+def test_a_gauge_no_queue_can_have_leaves_the_group_unmeasured(value: str) -> None:
+    """NaN or infinity would raise in the recommendation (every pass of the cluster with it);
+    a negative depth would scale a loaded cluster down."""
+    assert parse_gauge(EXPOSITION + f'{METRIC}{{model_name="x"}} {value}\n', METRIC) is None
+
+
 def test_scale_up_asks_for_enough_groups_for_the_target_and_is_immediate() -> None:
     history = History()
     seed(history, 0.0, 1)

@@ -224,3 +224,20 @@ def test_the_disruption_budget_lets_one_rank_go_at_a_time_and_only_with_two_grou
     assert two["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     old = budget(2, "policy/v1beta1")
     assert old is not None and "unhealthyPodEvictionPolicy" not in old["spec"]
+
+
+def test_a_cluster_may_opt_out_of_the_disruption_budget_and_drift_ignores_dropped_fields() -> None:
+    from tessera_operator.reconcile import budget_drifted
+
+    three = {"model": {"source": "m"}, "replicas": 3}
+    opted_out = InferenceClusterSpec.model_validate({**three, "disruptionBudget": {"enabled": False}})
+    assert builders.build_disruption_budget(REF, opted_out, "policy/v1") is None
+    desired = builders.build_disruption_budget(REF, InferenceClusterSpec.model_validate(three), "policy/v1")
+    assert desired is not None
+    # A 1.21-1.26 API server drops unhealthyPodEvictionPolicy: no patch every pass for that.
+    kept = {k: v for k, v in desired["spec"].items() if k != "unhealthyPodEvictionPolicy"}
+    assert not budget_drifted(kept, desired["spec"])
+    assert budget_drifted({**kept, "minAvailable": 1}, desired["spec"])
+    assert budget_drifted(
+        {**desired["spec"], "unhealthyPodEvictionPolicy": "IfHealthyBudget"}, desired["spec"]
+    )

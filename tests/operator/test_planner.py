@@ -2,6 +2,7 @@
 
 import copy
 
+from tessera_operator import builders
 from tessera_operator.api import RestartPolicySpec
 from tessera_operator.planner import (
     STUCK_TERMINATING_SECONDS,
@@ -100,6 +101,27 @@ def test_a_deleted_pod_of_a_running_group_restarts_the_group_but_a_missing_one_a
     assert "PodDeleted" in (sim.status.groups[0].last_failure or "")
 
 
+def test_an_evicted_rank_restarts_its_group_at_once_and_repeated_drains_grow_no_backoff() -> None:
+    """A drain's eviction, a preemption or `kubectl delete pod` is no crash loop: each one
+    recreates the group without waiting, and the restart count that drives backoff stays."""
+    sim = Sim(spec_of(restartPolicy={"backoffBaseSeconds": 30, "backoffMaxSeconds": 300}))
+    sim.converge()
+    for _ in range(3):
+        del sim.pods["demo-g0-s1-t1"]
+        decision = sim.step()
+        group = sim.status.groups[0]
+        assert group.phase == "BackingOff" and group.restarts == 0 and group.backoff_seconds == 0
+        assert decision.requeue_after == 0.0
+        assert [e.reason for e in decision.events] == ["GroupDisrupted"]
+        assert sim.step().create_groups == [0]  # the rest gone: recreated in the next pass
+        sim.converge()
+        sim.step()
+        assert sim.status.groups[0].phase == "Ready"
+    sim.fail("demo-g0-s0-t0")  # a crash still backs off
+    sim.step()
+    assert sim.status.groups[0].restarts == 1 and sim.status.groups[0].backoff_seconds == 30
+
+
 def test_scale_adds_and_removes_whole_groups_and_strays_go() -> None:
     sim = Sim(spec_of(replicas=1))
     sim.converge()
@@ -169,6 +191,33 @@ def test_rollout_waits_for_new_groups_to_become_ready() -> None:
     old = {g for g, revs in revisions.items() if sim.status.update_revision not in revs}
     assert old == {0, 1}  # nothing old was torn down; capacity kept
     assert sim.condition("Progressing").reason == "RollingUpdate"
+
+
+def test_a_forward_fix_mid_rollout_replaces_the_surge_group_of_the_broken_revision() -> None:
+    """B's surge group never gets Ready; the user applies C: the surge group moves to C (it
+    served nothing), and once C is Ready the rollout finishes."""
+    rollout = {"maxUnavailable": 0, "maxSurge": 1}
+    sim = Sim(spec_of(replicas=1, rollout=rollout))
+    sim.converge()
+    sim.spec = spec_of(replicas=1, rollout=rollout, template={"image": "broken"})
+    broken = builders.revision_of(sim.spec)
+    for _ in range(4):
+        sim.step()
+        sim.run_all()
+        for pod in sim.pods.values():  # B's pods run but never become Ready
+            if pod["metadata"]["labels"]["tessera.dev/revision"] == broken:
+                pod["status"].pop("conditions", None)
+    assert sim.groups() == {0: {builders.revision_of(spec_of(replicas=1, rollout=rollout))}, 1: {broken}}
+    sim.spec = spec_of(replicas=1, rollout=rollout, template={"image": "fixed"})
+    fixed = builders.revision_of(sim.spec)
+    for _ in range(12):
+        sim.step()
+        sim.run_all()
+        for pod in sim.pods.values():  # B stays broken
+            if pod["metadata"]["labels"]["tessera.dev/revision"] == broken:
+                pod["status"].pop("conditions", None)
+    sim.step()
+    assert sim.groups() == {0: {fixed}} and sim.status.updated_replicas == 1
 
 
 def test_backoff_formula() -> None:

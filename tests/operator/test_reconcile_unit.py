@@ -228,3 +228,69 @@ async def test_a_repeated_event_is_one_object_whose_count_grows() -> None:
         ("creating pod demo-g0-s0-t1: 403", 1),
     ]
     assert client.events[0]["firstTimestamp"] != client.events[0]["lastTimestamp"]
+
+
+PODS = "/api/v1/namespaces/ns/pods/"
+
+
+def pod_names(client: FakeClient) -> list[str]:
+    return sorted(p[len(PODS) :] for p in client.objects if p.startswith(PODS))
+
+
+def run_all(client: FakeClient) -> None:
+    for path, obj in client.objects.items():
+        if path.startswith(PODS):
+            obj["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+
+
+def group_phase(client: FakeClient) -> str:
+    return str(client.objects[IC_PATH]["status"]["groups"][0]["phase"])
+
+
+async def test_a_group_recreated_after_backoff_survives_a_failed_write_in_that_pass() -> None:
+    """The pass that recreates a group records it first: if one of its writes then fails, the
+    retry must finish the group, not take it for one still backing off and tear it down."""
+    client = fake_with_cluster(replicas=1)
+    now = [1000.0]
+    reconciler = Reconciler(client, clock=lambda: now[0])  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    run_all(client)
+    await reconciler.reconcile("ns", "demo")
+    client.objects[PODS + "demo-g0-s1-t1"]["status"] = {"phase": "Failed", "reason": "Error"}
+    await reconciler.reconcile("ns", "demo")  # torn down, backing off 10 s
+    assert group_phase(client) == "BackingOff" and pod_names(client) == []
+    now[0] += 11
+    create = client.create
+
+    async def flaky(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if body["metadata"]["name"] == "demo-g0-s1-t1":
+            raise ApiError(503, {"message": "etcdserver: request timed out"})
+        return await create(path, body)
+
+    client.create = flaky  # type: ignore[method-assign]
+    with pytest.raises(ApiError):
+        await reconciler.reconcile("ns", "demo")
+    client.create = create  # type: ignore[method-assign]
+    assert group_phase(client) == "Pending"  # recorded before the writes
+    now[0] += 1
+    await reconciler.reconcile("ns", "demo")  # the work queue's retry
+    assert len(pod_names(client)) == 4 and group_phase(client) == "Pending"
+
+
+async def test_a_queue_gauge_no_queue_can_have_never_stops_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tessera_operator.reconcile as reconcile_module
+
+    async def nan_depths(leaders: Any, metric: str) -> list[float | None]:
+        return [float("nan") for _ in leaders]  # a broken exporter, past parse_gauge's checks
+
+    monkeypatch.setattr(reconcile_module, "queue_depths", nan_depths)
+    client = fake_with_cluster(replicas=1, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3})
+    now = [1000.0]
+    reconciler = Reconciler(client, clock=lambda: now[0])  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    run_all(client)
+    client.objects[PODS + "demo-g0-s1-t1"]["status"] = {"phase": "Failed", "reason": "Error"}
+    now[0] += 20
+    await reconciler.reconcile("ns", "demo")  # samples, fails to decide, and still restarts
+    assert group_phase(client) == "BackingOff" and pod_names(client) == []
+    assert client.objects[IC_PATH]["spec"]["replicas"] == 1
