@@ -210,6 +210,13 @@ class RolloutSpec(Wire):
     max_surge: int = Field(
         default=0, ge=0, le=MAX_REPLICAS, description="Extra groups created above replicas during an update."
     )
+    progress_deadline_seconds: float = Field(
+        default=600,
+        ge=0,
+        le=MAX_DELAY_SECONDS,
+        description="A group whose pods cannot start this long (unschedulable, an image that is not "
+        "pulled) makes the cluster Stalled, reason ProgressDeadlineExceeded: GitOps tools stop waiting.",
+    )
 
 
 class RestartPolicySpec(Wire):
@@ -306,6 +313,10 @@ class GroupStatus(Wire):
     backoff_seconds: float | None = Field(default=None, description="Current restart delay.")
     next_restart_time: str | None = Field(default=None, description="Earliest time of the next restart.")
     ready_since: str | None = Field(default=None, description="Since when the group is Ready.")
+    start_problem: str | None = Field(
+        default=None, description="Why its pods do not start (Unschedulable, ImagePullBackOff, ...)."
+    )
+    start_problem_since: str | None = Field(default=None, description="Since when they do not start.")
 
 
 class Condition(Wire):

@@ -78,6 +78,14 @@ class GroupObservation:
             p.get("status", {}).get("phase") == "Running" for p in self.pods.values()
         )
 
+    def start_problem(self) -> str | None:
+        """The first pod of the group that cannot start, and why (see `start_problem`)."""
+        for name in sorted(self.pods):
+            problem = start_problem(self.pods[name])
+            if problem:
+                return f"{name}: {problem}"
+        return None
+
     def failure(self) -> str | None:
         """Why this group must restart, or None. A serving rank that exits at all has failed."""
         for name in sorted(self.pods):
@@ -88,6 +96,33 @@ class GroupObservation:
         if self.started and size is not None and len(self.pods) < size:
             return f"{POD_DELETED}: {size - len(self.pods)} of {size} pods missing"
         return None
+
+
+# Container states that do not pass by waiting: a person (or a new spec) must act.
+STUCK_WAITING_REASONS = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+    }
+)
+
+
+def start_problem(pod: dict[str, Any]) -> str | None:
+    """Why a pod that has not failed does not start: it cannot be scheduled, or its container
+    cannot be created (an image that cannot be pulled, a missing ConfigMap); None otherwise."""
+    status = pod.get("status") or {}
+    for condition in status.get("conditions") or []:
+        unschedulable = condition.get("type") == "PodScheduled" and condition.get("status") == "False"
+        if unschedulable and condition.get("reason") == "Unschedulable":
+            return f"Unschedulable: {(condition.get('message') or '')[:300]}"
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_WAITING_REASONS:
+            return f"{waiting['reason']}: {(waiting.get('message') or '')[:300]}"
+    return None
 
 
 def is_disruption(failure: str) -> bool:

@@ -14,7 +14,7 @@ from tessera_operator.api import GroupStatus, InferenceClusterSpec
 from tessera_operator.observe import GroupObservation, Observation, is_disruption
 from tessera_operator.restart import record_disruption, record_failure, seconds_until_restart
 from tessera_operator.rollout import GroupState, choose_replacements, surge_count
-from tessera_operator.timeutil import to_rfc3339
+from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 
 WAIT_FOR_DELETION_SECONDS = 1.0
 # Past its grace period by this much, a pod still Terminating is most likely on a node that is
@@ -85,8 +85,27 @@ def plan(
                 result.events.append(Event("Normal", "GroupRemoved", f"removing {kind} {index}"))
             continue
         status = prior.get(index) or GroupStatus(index=index, revision=revision)
-        result.groups.append(_plan_group(spec, revision, obs, status, index in replacements, now, result))
+        planned = _plan_group(spec, revision, obs, status, index in replacements, now, result)
+        result.groups.append(_with_start_problem(spec, obs, planned, now, result))
     return result
+
+
+def _with_start_problem(
+    spec: InferenceClusterSpec, obs: GroupObservation, status: GroupStatus, now: float, result: Plan
+) -> GroupStatus:
+    """Records why the group's pods do not start, since when (its deadline makes the cluster
+    Stalled), and says so once in a Warning Event."""
+    problem = obs.start_problem() if status.phase in ("Pending", "Starting", "Updating") else None
+    if problem is None:
+        return status.model_copy(update={"start_problem": None, "start_problem_since": None})
+    since = from_rfc3339(status.start_problem_since) if status.start_problem else None
+    if since is None:
+        since = now
+        result.events.append(Event("Warning", "PodsNotStarting", f"group {obs.index}: {problem}"))
+    left = since + spec.rollout.progress_deadline_seconds - now
+    if left > 0:
+        result.requeue(left)  # to report the deadline when it passes
+    return status.model_copy(update={"start_problem": problem, "start_problem_since": to_rfc3339(since)})
 
 
 def _plan_group(

@@ -11,7 +11,7 @@ from collections import Counter
 from tessera_operator import naming
 from tessera_operator.api import Condition, GroupStatus, InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.planner import Plan
-from tessera_operator.timeutil import to_rfc3339
+from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 
 
 def set_condition(conditions: list[Condition], new: Condition, now: float) -> list[Condition]:
@@ -57,18 +57,36 @@ def _progressing(spec: InferenceClusterSpec, plan: Plan, updated_ready: int, upd
     )
 
 
-def _degraded(groups: list[GroupStatus]) -> Condition:
+def _degraded(groups: list[GroupStatus], now: float, deadline: float) -> Condition:
     failing = [g for g in groups if g.phase == "BackingOff"]
-    if not failing:
-        return Condition(type="Degraded", status="False", reason="AsExpected", message="no group is failing")
-    parts = [
-        f"group {g.index}: {g.last_failure}; restart {g.restarts} at {g.next_restart_time}" for g in failing
-    ]
-    return Condition(type="Degraded", status="True", reason="GroupRestarting", message="; ".join(parts))
+    if failing:
+        parts = [
+            f"group {g.index}: {g.last_failure}; restart {g.restarts} at {g.next_restart_time}"
+            for g in failing
+        ]
+        return Condition(type="Degraded", status="True", reason="GroupRestarting", message="; ".join(parts))
+    stuck = [g for g in groups if g.start_problem]
+    if stuck:
+        late = [g for g in stuck if now - (from_rfc3339(g.start_problem_since) or now) >= deadline]
+        message = "; ".join(f"group {g.index}: {g.start_problem}" for g in stuck)
+        if late:
+            message += f" (for more than the {deadline:g} s progress deadline)"
+        reason = "ProgressDeadlineExceeded" if late else "PodsNotStarting"
+        return Condition(type="Degraded", status="True", reason=reason, message=message)
+    return Condition(type="Degraded", status="False", reason="AsExpected", message="no group is failing")
 
 
 # Degraded reasons that no amount of waiting fixes: a person must change the spec or the cluster.
-STALLED_REASONS = frozenset({"InvalidSpec", "ReconcileError", "FailedCreate", "FailedDelete", "FailedScale"})
+STALLED_REASONS = frozenset(
+    {
+        "InvalidSpec",
+        "ReconcileError",
+        "FailedCreate",
+        "FailedDelete",
+        "FailedScale",
+        "ProgressDeadlineExceeded",
+    }
+)
 
 
 def with_kstatus(conditions: list[Condition], generation: int | None, now: float) -> list[Condition]:
@@ -129,7 +147,7 @@ def build_status(
     for condition in (
         _ready(spec, len(ready)),
         _progressing(spec, plan, len(updated_ready), len(updated)),
-        _degraded(groups),
+        _degraded(groups, now, spec.rollout.progress_deadline_seconds),
     ):
         conditions = set_condition(
             conditions, condition.model_copy(update={"observed_generation": generation}), now

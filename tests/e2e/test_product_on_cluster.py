@@ -292,3 +292,37 @@ def test_queue_depth_adds_a_group_under_load_and_removes_it_after(
         assert cluster()["status"]["autoscaling"]["queueDepth"] == 0
     finally:
         local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def test_pods_the_scheduler_cannot_place_stall_the_cluster_naming_why(
+    local_cluster_full: LocalCluster, operator: ChartOperator
+) -> None:
+    """The genuine scheduler finds no node with 500 CPUs: the status says so at once
+    (Degraded PodsNotStarting, with the scheduler's message), and past the progress deadline
+    kstatus' Stalled turns True, so Flux or kpt stop waiting."""
+    namespace = "e2e-unschedulable"
+    local_cluster_full.kubectl("create", "namespace", namespace, check=False)
+    ctx = Ctx(local_cluster_full, namespace)
+    doc = yaml.safe_load(yaml.safe_dump(DEMO))
+    doc["metadata"]["name"] = "huge"
+    doc["spec"]["parallelism"] = {"tensor": 1, "pipeline": 1}
+    doc["spec"]["template"]["resources"] = {"requests": {"cpu": "500"}}
+    doc["spec"]["rollout"] = {"progressDeadlineSeconds": 5}
+    ctx.apply(doc)
+
+    def conditions() -> dict[str, dict[str, Any]]:
+        status = ctx.get_json("get", "ic", "huge", "-n", namespace).get("status") or {}
+        return {c["type"]: c for c in status.get("conditions") or []}
+
+    try:
+        deadline = time.monotonic() + 90
+        while conditions().get("Stalled", {}).get("status") != "True":
+            assert time.monotonic() < deadline, f"never Stalled: {conditions()}"
+            time.sleep(1)
+        degraded = conditions()["Degraded"]
+        assert degraded["reason"] == "ProgressDeadlineExceeded", degraded
+        assert "Unschedulable" in degraded["message"] and "Insufficient cpu" in degraded["message"], degraded
+        events = ctx.get_json("get", "events", "-n", namespace, "--field-selector", "reason=PodsNotStarting")
+        assert events["items"], "no PodsNotStarting event"
+    finally:
+        local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

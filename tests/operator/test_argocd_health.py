@@ -57,3 +57,17 @@ def test_scaled_to_zero_is_suspended() -> None:
     sim.converge()
     sim.step()
     assert health(sim.status)[0] == "Suspended"
+
+
+def test_pods_that_cannot_start_progress_until_the_deadline_then_degrade() -> None:
+    sim = Sim(spec_of(rollout={"progressDeadlineSeconds": 60}))
+    sim.step()
+    waiting = {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}
+    for pod in sim.pods.values():
+        pod["status"] = {"phase": "Pending", "containerStatuses": [{"name": "rank", "state": waiting}]}
+    sim.step()
+    status, message = health(sim.status)
+    assert status == "Progressing" and "ImagePullBackOff" in message
+    sim.now += 61
+    sim.step()
+    assert health(sim.status)[0] == "Degraded"

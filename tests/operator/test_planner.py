@@ -251,3 +251,27 @@ def test_a_group_waits_for_a_pod_stuck_terminating_and_says_why() -> None:
     assert warning.reason == "PodsStuckTerminating" and "demo-g0-s1-t1" in warning.message
     del sim.pods["demo-g0-s1-t1"]  # force-deleted
     assert sim.step().create_groups == [0]
+
+
+def test_pods_that_cannot_start_are_named_once_and_stall_the_cluster_past_the_deadline() -> None:
+    sim = Sim(spec_of(rollout={"progressDeadlineSeconds": 60}))
+    decision = sim.step()
+    waiting = {"waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nope"'}}
+    for pod in sim.pods.values():
+        pod["status"] = {"phase": "Pending", "containerStatuses": [{"name": "rank", "state": waiting}]}
+    decision = sim.step()
+    group = sim.status.groups[0]
+    assert group.start_problem is not None and "ImagePullBackOff" in group.start_problem
+    assert [e.reason for e in decision.events] == ["PodsNotStarting"]
+    assert sim.condition("Degraded").reason == "PodsNotStarting"
+    assert sim.condition("Stalled").status == "False"  # it may still pass (a registry hiccup)
+    assert decision.requeue_after is not None and decision.requeue_after <= 60
+    sim.now += 61
+    decision = sim.step()
+    assert not decision.events  # said once
+    assert sim.condition("Degraded").reason == "ProgressDeadlineExceeded"
+    assert sim.condition("Stalled").status == "True"
+    sim.run_all()  # fixed (the image appeared): running and Ready
+    sim.step()
+    assert sim.status.groups[0].start_problem is None
+    assert sim.condition("Degraded").status == "False" and sim.condition("Stalled").status == "False"
