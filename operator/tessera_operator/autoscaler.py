@@ -47,6 +47,7 @@ class History:
 
     recommendations: list[tuple[float, int]] = field(default_factory=list)
     last_sample: float | None = None
+    blind: bool = False  # Ready leaders exist but none answered the last sample
 
     def record(self, now: float, replicas: int, window: float) -> int:
         """Adds `replicas` and returns the highest recommendation within `window` seconds."""

@@ -201,6 +201,17 @@ class Reconciler:
             await self.post_events(
                 ref, [Event("Warning" if verb == FAILED_SCALE else "Normal", verb, message)]
             )
+        blind = bool(leaders) and sample.measured == 0
+        if blind and not history.blind:
+            # Said once when it starts: a NetworkPolicy or a port the operator cannot reach would
+            # otherwise leave the cluster at its size forever with nothing but a 0 in status.
+            message = (
+                f"none of {len(leaders)} Ready leaders answered {settings.metric} on /metrics: "
+                "not scaling (can the operator reach the leaders' http port?)"
+            )
+            log.warning("%s/%s: %s", ref.namespace, ref.name, message)
+            await self.post_events(ref, [Event("Warning", "MetricsUnavailable", message)])
+        history.blind = blind
         measured = AutoscalingStatus(
             queue_depth=sample.waiting if sample.measured else None,
             measured_replicas=sample.measured,

@@ -294,3 +294,37 @@ async def test_a_queue_gauge_no_queue_can_have_never_stops_restarts(monkeypatch:
     await reconciler.reconcile("ns", "demo")  # samples, fails to decide, and still restarts
     assert group_phase(client) == "BackingOff" and pod_names(client) == []
     assert client.objects[IC_PATH]["spec"]["replicas"] == 1
+
+
+async def test_leaders_that_never_answer_are_reported_once_not_silently_left_unscaled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tessera_operator.reconcile as reconcile_module
+
+    answers: list[float | None] = [None]
+
+    async def depths(leaders: Any, metric: str) -> list[float | None]:
+        return [answers[0] for _ in leaders]  # None: blocked by a NetworkPolicy, say
+
+    monkeypatch.setattr(reconcile_module, "queue_depths", depths)
+    client = fake_with_cluster(replicas=1, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3})
+    now = [1000.0]
+    reconciler = Reconciler(client, clock=lambda: now[0])  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    run_all(client)
+
+    def warnings() -> list[dict[str, Any]]:
+        return [e for e in client.events if e["reason"] == "MetricsUnavailable"]
+
+    for _ in range(3):
+        now[0] += 20
+        await reconciler.reconcile("ns", "demo")
+    assert len(warnings()) == 1 and warnings()[0].get("count", 1) == 1
+    assert "none of 1 Ready leaders answered" in warnings()[0]["message"]
+    answers[0] = 0.0  # reachable again, then lost again: said again
+    now[0] += 20
+    await reconciler.reconcile("ns", "demo")
+    answers[0] = None
+    now[0] += 20
+    await reconciler.reconcile("ns", "demo")
+    assert warnings()[0]["count"] == 2
