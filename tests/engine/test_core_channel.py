@@ -163,3 +163,32 @@ def test_a_core_frozen_past_the_fatal_silence_is_killed_and_its_callers_fail(
         while True:
             client.get_output(timeout=30)
     assert wait_for(lambda: not client.proc.is_alive())
+
+
+def test_a_frontend_killed_outright_takes_its_engine_core_and_ipc_folder_with_it(tmp_path: Any) -> None:
+    """SIGKILL leaves the frontend no chance to clean up: the core notices, removes the IPC
+    folder the two shared, and exits."""
+    import subprocess
+    import sys
+
+    from tests.distributed.test_rank_faults import exited
+
+    script = (
+        "from tests.engine.test_core_channel import CONFIG\n"
+        "from tests.serving.fake_core import FakeEngineCore\n"
+        "from tessera.engine.core_client import SyncMPClient\n"
+        "client = SyncMPClient(CONFIG, FakeEngineCore)\n"
+        "print(client._ipc_dir, client.proc.pid, flush=True)\n"
+        "import time; time.sleep(600)\n"
+    )
+    frontend = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert frontend.stdout is not None
+        folder, core_pid = frontend.stdout.readline().split()
+        assert os.path.isdir(folder)
+        frontend.kill()
+        frontend.wait(timeout=10)
+        assert wait_for(lambda: not os.path.exists(folder) and exited(int(core_pid)))
+    finally:
+        if frontend.poll() is None:
+            frontend.kill()

@@ -20,6 +20,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -258,14 +259,17 @@ class EngineCoreProc:
         # The context is left to process exit: the input thread still blocks in recv on it.
 
 
-def _exit_when_parent_dies() -> None:
-    """A frontend killed with SIGKILL cannot stop us: watch its sentinel and leave with it."""
+def _exit_when_parent_dies(folders: list[str]) -> None:
+    """A frontend killed with SIGKILL cannot stop us: watch its sentinel and leave with it,
+    removing the IPC folders (its, and our ranks') nobody else will (the ranks die with us)."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
 
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -276,7 +280,8 @@ def run_engine_core(
 ) -> None:
     """Entry point of the spawned engine core process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine-core] %(message)s")
-    _exit_when_parent_dies()
+    orphaned = [os.path.dirname(input_addr.removeprefix("ipc://"))] if input_addr.startswith("ipc://") else []
+    _exit_when_parent_dies(orphaned)
     shutdown_requested = threading.Event()
 
     def on_sigterm(signum: int, frame: object) -> None:
@@ -295,6 +300,9 @@ def run_engine_core(
 
             engine_core_cls = EngineCore
         engine = engine_core_cls(config)
+        ranks_folder = getattr(getattr(engine, "executor", None), "ipc_dir", None)
+        if isinstance(ranks_folder, str):
+            orphaned.append(ranks_folder)
         proc = EngineCoreProc(engine, input_addr, output_addr)
         proc.run(_ready_info(engine))
         engine.shutdown()

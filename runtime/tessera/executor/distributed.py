@@ -63,8 +63,8 @@ class DistributedExecutor(Executor):
         startup_timeout_s: float,
     ) -> None:
         # Local ranks reach the leader over IPC in a folder of its own, removed at shutdown.
-        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
-        local_rpc_addr = f"ipc://{self._ipc_dir}/rpc"
+        self.ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
+        local_rpc_addr = f"ipc://{self.ipc_dir}/rpc"
         bind_addrs = [local_rpc_addr, *extra_bind_addrs]
         self.config = config
         self.topology = topology
@@ -253,7 +253,7 @@ class DistributedExecutor(Executor):
                 proc.kill()
                 proc.wait()
         self.channel.close()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 class MultiprocExecutor(DistributedExecutor):
