@@ -12,6 +12,14 @@ from tessera.distributed import rpc
 from tessera.engine import serialization
 
 
+def rank_peer(context: zmq.Context, addr: str, rank: int) -> zmq.Socket:
+    """A rank's end of the channel, as WorkerLink connects it."""
+    peer = context.socket(zmq.DEALER)
+    peer.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+    peer.connect(addr)
+    return peer
+
+
 def test_a_lag_meter_reports_only_time_beyond_its_interval() -> None:
     meter = rpc.LagMeter()
     assert meter.measure() < 0.1
@@ -31,9 +39,7 @@ def test_malformed_frames_from_a_peer_are_dropped_and_the_channel_goes_on(tmp_pa
     addr = f"ipc://{tmp_path}/rpc"
     channel = rpc.LeaderChannel([addr], 2, on_message, failures.append).start()
     context = zmq.Context()
-    peer = context.socket(zmq.DEALER)
-    peer.setsockopt(zmq.IDENTITY, b"rank-1")
-    peer.connect(addr)
+    peer = rank_peer(context, addr, 1)
     try:
         peer.send_multipart([b"READY", b"\xc1not msgpack"])  # undecodable
         peer.send_multipart([b"READY"])  # wrong frame count
@@ -63,9 +69,7 @@ def test_messages_wait_for_start_and_a_handler_bug_fails_the_engine_not_the_chan
     addr = f"ipc://{tmp_path}/rpc"
     channel = rpc.LeaderChannel([addr], 2, on_message, failures.append)
     context = zmq.Context()
-    peer = context.socket(zmq.DEALER)
-    peer.setsockopt(zmq.IDENTITY, b"rank-1")
-    peer.connect(addr)
+    peer = rank_peer(context, addr, 1)
     try:
         peer.send_multipart([b"HELLO", serialization.encode({"pid": 1})])
         peer.send_multipart([b"READY", serialization.encode({"rank": 1})])
@@ -88,9 +92,7 @@ def test_a_step_that_cannot_reach_a_started_rank_fails_the_engine_at_once(tmp_pa
     addr = f"ipc://{tmp_path}/rpc"
     channel = rpc.LeaderChannel([addr], 2, lambda *_: None, failures.append).start()
     context = zmq.Context()
-    peer = context.socket(zmq.DEALER)
-    peer.setsockopt(zmq.IDENTITY, b"rank-1")
-    peer.connect(addr)
+    peer = rank_peer(context, addr, 1)
     try:
         peer.send_multipart([b"HELLO", serialization.encode({"pid": 1})])
         deadline = time.monotonic() + 10

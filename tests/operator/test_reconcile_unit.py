@@ -277,18 +277,27 @@ async def test_a_group_recreated_after_backoff_survives_a_failed_write_in_that_p
     assert len(pod_names(client)) == 4 and group_phase(client) == "Pending"
 
 
-async def test_a_queue_gauge_no_queue_can_have_never_stops_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+async def running_autoscaled_cluster(
+    monkeypatch: pytest.MonkeyPatch, answers: list[float | None]
+) -> tuple[FakeClient, Reconciler, list[float]]:
+    """An autoscaled cluster whose group is Ready; every leader's gauge reads `answers[0]`."""
     import tessera_operator.reconcile as reconcile_module
 
-    async def nan_depths(leaders: Any, metric: str) -> list[float | None]:
-        return [float("nan") for _ in leaders]  # a broken exporter, past parse_gauge's checks
+    async def depths(leaders: Any, metric: str) -> list[float | None]:
+        return [answers[0] for _ in leaders]
 
-    monkeypatch.setattr(reconcile_module, "queue_depths", nan_depths)
+    monkeypatch.setattr(reconcile_module, "queue_depths", depths)
     client = fake_with_cluster(replicas=1, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3})
     now = [1000.0]
     reconciler = Reconciler(client, clock=lambda: now[0])  # type: ignore[arg-type]
     await reconciler.reconcile("ns", "demo")
     run_all(client)
+    return client, reconciler, now
+
+
+async def test_a_queue_gauge_no_queue_can_have_never_stops_restarts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A broken exporter, past parse_gauge's checks.
+    client, reconciler, now = await running_autoscaled_cluster(monkeypatch, [float("nan")])
     client.objects[PODS + "demo-g0-s1-t1"]["status"] = {"phase": "Failed", "reason": "Error"}
     now[0] += 20
     await reconciler.reconcile("ns", "demo")  # samples, fails to decide, and still restarts
@@ -299,19 +308,8 @@ async def test_a_queue_gauge_no_queue_can_have_never_stops_restarts(monkeypatch:
 async def test_leaders_that_never_answer_are_reported_once_not_silently_left_unscaled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import tessera_operator.reconcile as reconcile_module
-
-    answers: list[float | None] = [None]
-
-    async def depths(leaders: Any, metric: str) -> list[float | None]:
-        return [answers[0] for _ in leaders]  # None: blocked by a NetworkPolicy, say
-
-    monkeypatch.setattr(reconcile_module, "queue_depths", depths)
-    client = fake_with_cluster(replicas=1, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3})
-    now = [1000.0]
-    reconciler = Reconciler(client, clock=lambda: now[0])  # type: ignore[arg-type]
-    await reconciler.reconcile("ns", "demo")
-    run_all(client)
+    answers: list[float | None] = [None]  # None: blocked by a NetworkPolicy, say
+    client, reconciler, now = await running_autoscaled_cluster(monkeypatch, answers)
 
     def warnings() -> list[dict[str, Any]]:
         return [e for e in client.events if e["reason"] == "MetricsUnavailable"]
