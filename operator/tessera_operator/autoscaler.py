@@ -2,9 +2,10 @@
 
 Each sample is the `tessera:num_requests_waiting` gauge of every Ready leader. The recommendation
 is the HPA's for an average-value target: enough groups that each would have `targetQueueDepth`
-requests waiting (within a 10% tolerance, no change). Groups that could not be measured (still
-starting, or their leader did not answer) count as at the target, so they never make a scale-down
-look safe. A scale-down takes the highest recommendation of the stabilization window (a burst's
+requests waiting (within a 10% tolerance, no change). While a group cannot be measured (down,
+starting, or its leader did not answer) there is no scale-down at all: the HPA counts such pods
+as at the target, but a scale-down here removes the highest groups, which may be the ones that
+serve while a lower one is down. A scale-down takes the highest recommendation of the stabilization window (a burst's
 gap does not drop groups that take a minute to load); a scale-up is immediate but at most doubles
 the groups (or adds 4) per decision, as the HPA's default policy does.
 
@@ -100,8 +101,10 @@ def recommend(spec: AutoscalingSpec, current: int, sample: QueueSample) -> tuple
     if abs(average / target - 1) <= TOLERANCE:
         return current, described
     wanted = math.ceil(sample.waiting / target - 1e-9)
-    if wanted < current:
-        wanted += sample.unmeasured  # a group that could not speak is assumed at the target
+    if wanted < current and sample.unmeasured:
+        # Scale-down removes the highest groups, Ready or not: with a group down (or silent) it
+        # could keep that one and remove the ones serving. Wait until every group is measured.
+        return current, f"{described}; {sample.unmeasured} group(s) not measured: no scale-down"
     return wanted, described
 
 

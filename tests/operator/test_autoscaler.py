@@ -79,9 +79,13 @@ def test_scale_down_waits_for_the_stabilization_window() -> None:
     assert decide(settings, 2, idle, history, 95.0).desired == 1
 
 
-def test_groups_that_could_not_be_measured_count_as_at_the_target_when_scaling_down() -> None:
+def test_no_scale_down_while_a_group_is_not_measured() -> None:
+    """Scale-down removes the highest groups: with group 0 down and groups 1-2 idle, scaling to
+    one group would keep the one that serves nothing."""
     settings = spec(targetQueueDepth=4, scaleDownStabilizationSeconds=0)
-    assert decide(settings, 3, sample_of([0.0, None], 3), History(), 0.0).desired == 2
+    held = decide(settings, 3, sample_of([0.0, None], 3), History(), 0.0)
+    assert held.desired == 3 and "not measured: no scale-down" in held.reason
+    assert decide(settings, 3, sample_of([0.0, 0.0, 0.0], 3), History(), 0.0).desired == 1
     # ... but never hold back a scale-up: the queue that was measured is real.
     assert decide(settings, 3, sample_of([40.0, None], 3), History(), 0.0).desired == 7
 
