@@ -197,7 +197,9 @@ class MPClientBase:
     # --- requests -------------------------------------------------------------------------
     def _send(self, kind: bytes, payload: Any) -> None:
         if self._shutting_down:
-            return  # the core is going away with everything it holds
+            if kind == ADD:  # it would wait forever for outputs
+                raise EngineDeadError("the engine core is shutting down")
+            return  # an abort: the core is going away with everything it holds
         if self.dead_error is not None:
             raise self.dead_error
         data = serialization.encode(payload)
