@@ -33,7 +33,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.watching.server_timeout = 300
     settings.networking.connect_timeout = 10
     client = KubeClient.from_environment(CONFIG.kubeconfig, concurrency=CONFIG.concurrency)
-    webhook.configure(settings, CONFIG, client)
+    certfile = webhook.configure(settings, CONFIG, client)
+    tasks = []
+    if certfile is not None:
+        tasks.append(asyncio.create_task(webhook.restart_when_changed(certfile), name="tessera-cert"))
     reconciler = Reconciler(
         client,
         resync_seconds=CONFIG.resync_seconds,
@@ -52,12 +55,12 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         queue.add((namespace, cluster))
 
     scopes: list[str | None] = list(CONFIG.namespaces) or [None]
-    watches = [
+    tasks += [
         asyncio.create_task(watch_owned(client, kind, ns, enqueue), name=f"tessera-watch-{kind}-{ns}")
         for kind in ("pods", "services")
         for ns in scopes
     ]
-    memo["client"], memo["queue"], memo["watches"] = client, queue, watches
+    memo["client"], memo["queue"], memo["tasks"] = client, queue, tasks
     logging.getLogger("tessera_operator").info(
         "started: %d workers, %d concurrent requests, resync %.0fs",
         CONFIG.workers,
@@ -68,9 +71,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
 
 @kopf.on.cleanup()
 async def stop(memo: kopf.Memo, **_: Any) -> None:
-    for task in memo["watches"]:
+    for task in memo["tasks"]:
         task.cancel()
-    await asyncio.gather(*memo["watches"], return_exceptions=True)
+    await asyncio.gather(*memo["tasks"], return_exceptions=True)
     await memo["queue"].stop()
     await memo["client"].close()
 

@@ -16,10 +16,14 @@ create it (dev setups with broad rights) and otherwise logs why no webhook is re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import logging
+import os
+import signal
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -38,6 +42,7 @@ WEBHOOK_NAME = "validate.inferenceclusters.tessera.dev"
 OPERATIONS: tuple[Literal["CREATE"], Literal["UPDATE"]] = ("CREATE", "UPDATE")
 CONFIGURATIONS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
 GENERATED_SUFFIX = "x" * 5  # the API server appends 5 characters to a generateName
+CERT_CHECK_SECONDS = 30.0  # a Secret volume takes about a minute to show a renewal anyway
 _registered = False
 
 
@@ -189,16 +194,19 @@ class ManagedWebhookServer:
         return True
 
 
-def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: KubeClient) -> None:
-    """Serve the webhook when a port is configured (otherwise the reconciler still refuses bad specs)."""
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: KubeClient) -> Path | None:
+    """Serve the webhook when a port is configured (otherwise the reconciler still refuses bad specs).
+    Returns the mounted serving certificate, if one is used (see `restart_when_changed`)."""
     if config.webhook_port is None:
-        return
+        return None
     host = config.webhook_host or config.webhook_addr
     # A mounted TLS Secret (tls.crt/tls.key) wins; otherwise a self-signed pair (dev mode).
     directory = Path(config.webhook_cert_dir or tempfile.mkdtemp(prefix="tessera-webhook-"))
     certfile, pkeyfile = directory / "tls.crt", directory / "tls.key"
+    mounted: Path | None = certfile
     if not certfile.exists():
         certfile, pkeyfile = self_signed(directory, host)
+        mounted = None
     server = kopf.WebhookServer(
         addr=config.webhook_addr,
         port=config.webhook_port,
@@ -220,3 +228,31 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: K
         if config.webhook_managed
         else server
     )
+    return mounted
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:  # a Secret volume swaps its files by symlink: briefly absent
+        return None
+
+
+def _stop_gracefully() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # kopf stops as on any SIGTERM: the webhook is deregistered
+
+
+async def restart_when_changed(
+    certfile: Path, interval: float = CERT_CHECK_SECONDS, stop: Callable[[], None] = _stop_gracefully
+) -> None:
+    """kopf's server reads its certificate once: when a renewed one is mounted (cert-manager
+    rotates the Secret), stop, and the container restarts serving it, before the old one expires
+    and the API server refuses the handshake."""
+    serving = _digest(certfile)
+    while True:
+        await asyncio.sleep(interval)
+        current = _digest(certfile)
+        if current is not None and current != serving:
+            log.warning("the webhook's serving certificate %s changed: restarting to serve it", certfile)
+            stop()
+            return

@@ -180,3 +180,22 @@ def test_a_long_service_name_still_gets_a_certificate(tmp_path: Any) -> None:
         ["openssl", "x509", "-in", str(cert), "-noout", "-text"], check=True, capture_output=True, text=True
     ).stdout
     assert f"DNS:{host}" in text
+
+
+async def test_a_renewed_serving_certificate_restarts_the_operator_to_serve_it(tmp_path: Any) -> None:
+    """kopf reads its certificate once; cert-manager renews the mounted Secret: the operator
+    stops (the container restarts with the new one) before the old one expires."""
+    import asyncio
+
+    certfile = tmp_path / "tls.crt"
+    certfile.write_text("old")
+    stopped = asyncio.Event()
+    watcher = asyncio.create_task(webhook.restart_when_changed(certfile, 0.05, stopped.set))
+    await asyncio.sleep(0.3)
+    assert not stopped.is_set()  # unchanged: nothing happens
+    certfile.unlink()  # a Secret volume swaps its files: briefly absent is no change
+    await asyncio.sleep(0.15)
+    assert not stopped.is_set()
+    certfile.write_text("renewed")
+    await asyncio.wait_for(stopped.wait(), timeout=5)
+    await asyncio.wait_for(watcher, timeout=5)
