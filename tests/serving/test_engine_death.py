@@ -34,9 +34,9 @@ def small_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     proc.stop()
 
 
-def long_stream(client: openai.OpenAI, prompt: str) -> openai.Stream:  # type: ignore[type-arg]
+def long_stream(client: openai.OpenAI, prompt: str, n: int = 1) -> openai.Stream:  # type: ignore[type-arg]
     return client.completions.create(
-        model=MODEL_NAME, prompt=prompt, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        model=MODEL_NAME, prompt=prompt, max_tokens=400, n=n, stream=True, extra_body={"ignore_eos": True}
     )
 
 
@@ -127,15 +127,7 @@ def test_sigterm_answers_what_is_still_open_with_a_503_and_exits_cleanly(
     try:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         # 16 samples of 400 tokens, one sequence at a time: far longer than the test runs.
-        stream = client.completions.create(
-            model=MODEL_NAME,
-            prompt="Once upon a time",
-            max_tokens=400,
-            n=16,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        chunks = iter(stream)
+        chunks = iter(long_stream(client, "Once upon a time", n=16))
         next(chunks)
         outcome: dict[str, Any] = {}
 

@@ -207,24 +207,27 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs = []
+        # The batch's requests still current, each looked up once; a refused one is not among them.
+        current: dict[str, Request] = {}
         for scheduled in scheduler_output.scheduled:
-            if scheduled.request_id in runner_output.failed:
-                continue  # refused: its blocks were never written
             request = self._current(scheduled.request_id, scheduler_output)
-            if request is not None:
-                computed = scheduled.start_position + len(scheduled.token_ids)
-                self.kv.confirm_computed(request.request_id, computed)
+            if request is None or scheduled.request_id in runner_output.failed:
+                continue  # gone, or refused: its blocks were never written
+            current[scheduled.request_id] = request
+            self.kv.confirm_computed(
+                scheduled.request_id, scheduled.start_position + len(scheduled.token_ids)
+            )
         for request_id, reason in runner_output.failed.items():
             request = self.requests.get(request_id)
             if request is not None:
                 outputs.append(self.fail_request(request, reason))
         for request_id, chunk in runner_output.prompt_logprobs.items():
-            request = self._current(request_id, scheduler_output)
+            request = current.get(request_id)
             if request is not None and not request.prompt_logprobs_sent:
                 for offset, entry in enumerate(chunk.entries):
                     request.prompt_logprobs[chunk.first_position + offset] = entry
         for row, request_id in enumerate(runner_output.request_ids):
-            request = self._current(request_id, scheduler_output)
+            request = current.get(request_id)
             if request is None:
                 continue
             try:
