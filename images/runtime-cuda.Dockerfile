@@ -20,12 +20,12 @@ RUN apt-get update \
     && pip install --upgrade pip==24.3.1 \
     && pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126
 WORKDIR /opt/tessera
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY runtime ./runtime
 COPY operator ./operator
-# The project itself; its dependency versions are pinned in pyproject.toml.
+# The project itself, at the releases constraints.txt pins.
 # hadolint ignore=DL3013
-RUN pip install ".[runtime]"
+RUN pip install -c constraints.txt ".[runtime]"
 USER 1000:1000
 WORKDIR /home/tessera
 EXPOSE 8000 29500 29600
