@@ -52,3 +52,32 @@ def test_an_output_for_a_preempted_incarnation_is_dropped() -> None:
     assert answer(scheduler, stale, token=99) == []
     assert request.output_token_ids == []
     assert [o.new_token_ids for o in answer(scheduler, fresh, token=5)] == [[5]]
+
+
+def test_a_reused_request_id_never_gets_the_aborted_requests_output() -> None:
+    # A client aborts "a" while its batch is in flight and sends a new "a" at once.
+    scheduler = pipeline_scheduler(depth=2)
+    add(scheduler, "a", 3, max_tokens=8)
+    stale = scheduler.schedule()
+    scheduler.abort_requests(["a"])
+    reused = add(scheduler, "a", 5, max_tokens=8)
+    fresh = scheduler.schedule()
+    assert answer(scheduler, stale, token=99) == []
+    failed = ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed={"a": "refused"})
+    assert scheduler.update_from_output(stale, failed) == []  # the old one's report fails nothing
+    assert reused.output_token_ids == [] and "a" in scheduler.requests
+    assert [o.new_token_ids for o in answer(scheduler, fresh, token=5)] == [[5]]
+
+
+def test_a_request_preempted_with_its_sample_in_flight_is_flagged_for_the_rewind() -> None:
+    scheduler = pipeline_scheduler(depth=2)
+    add(scheduler, "a", 3, max_tokens=8)
+    add(scheduler, "b", 3, max_tokens=8)
+    first, second = scheduler.schedule(), scheduler.schedule()  # one batch each, both sampling
+    answer(scheduler, first)  # "a"'s token arrives; "b"'s is still in flight
+    scheduler._preempt(scheduler.running.pop())  # "b"
+    scheduler._preempt(scheduler.running.pop())  # "a"
+    third = scheduler.schedule()
+    assert third.preempted_request_ids == ["b", "a"]
+    assert third.discarded_sample_ids == ["b"]
+    assert answer(scheduler, second, token=99) == []

@@ -188,6 +188,38 @@ def test_a_seeded_request_samples_the_same_tokens_when_preempted(tiny_llama_dir:
     assert batch[-1].outputs[0].token_ids == alone
 
 
+def test_seeded_requests_sample_the_same_tokens_when_preempted_with_a_sample_in_flight(tiny_llama_dir: Path):
+    """With batches in flight (as pipeline stages keep them), a request preempted while its next
+    token is being sampled loses that sample; the draw it took must be undone as well."""
+    prompts = ["Once upon a time", "def add(a, b):", "Paris is", "The history of", "In 1999 the", "x = 1"]
+    params = [
+        SamplingParams(temperature=1.0, top_k=50, seed=100 + i, max_tokens=40, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    with LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=8, max_model_len=128) as roomy:
+        expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params)]
+    with LLM(
+        str(tiny_llama_dir),
+        num_kv_blocks=20,
+        block_size=8,
+        max_model_len=128,
+        max_batches_in_flight=2,
+        enable_prefix_caching=False,
+    ) as tight:
+        discarded: list[str] = []
+        schedule = tight.engine.scheduler.schedule
+
+        def recording_schedule():
+            output = schedule()
+            discarded.extend(output.discarded_sample_ids)
+            return output
+
+        tight.engine.scheduler.schedule = recording_schedule  # type: ignore[method-assign]
+        got = [o.outputs[0].token_ids for o in tight.generate(prompts, params)]
+    assert discarded, "the KV budget was meant to preempt a request with its sample in flight"
+    assert got == expected
+
+
 def test_logprobs_and_stop_strings(tiny_llama_dir: Path):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))[0]

@@ -68,6 +68,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
         self.num_preemptions = 0
+        self.incarnation = -1  # set by the scheduler when added, and again at each preemption
         # Workers hold per-request state; it is sent again after a preemption dropped it.
         self.known_to_workers = False
         # Hashes of this request's full blocks, computed once and extended as it grows.

@@ -39,9 +39,12 @@ class SchedulerOutput:
     # Those of finished_request_ids that were preempted, not finished: they come back, and their
     # seeded generators must go on from where they were (a seed gives one output, batched or not).
     preempted_request_ids: list[str] = field(default_factory=list)
-    # How often each scheduled request had been preempted: an output arriving for an older
-    # incarnation (pipeline parallelism keeps batches in flight) is dropped.
-    preemption_epochs: dict[str, int] = field(default_factory=dict)
+    # Of those, the ones preempted while a batch that samples them was in flight: that sample is
+    # dropped, so the draw it took from a seeded generator is undone.
+    discarded_sample_ids: list[str] = field(default_factory=list)
+    # The incarnation of each scheduled request (unique per add and per preemption): an output
+    # arriving for an older one (pipeline parallelism keeps batches in flight) is dropped.
+    incarnations: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

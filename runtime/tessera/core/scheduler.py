@@ -8,6 +8,7 @@ and it goes back to the front of the waiting queue.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 
@@ -38,8 +39,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []  # since the last schedule(): workers drop their state
         self.preempted_ids: list[str] = []  # of those, the ones that will come back
+        self.discarded_sample_ids: list[str] = []  # of those, the ones whose sample was in flight
         self.num_preemptions = 0  # since the last stats
         self.preempted_this_step = False
+        # Serials of request incarnations: a request id reused after an abort, or a request
+        # preempted and scheduled again, is a new incarnation, and an output in flight for the
+        # old one must not reach it (pipeline parallelism keeps batches in flight).
+        self._incarnations = itertools.count()
 
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -57,6 +63,7 @@ class Scheduler:
                 f"prompt has {request.num_tokens} tokens; with chunked prefill off one step "
                 f"holds at most {self.max_num_batched_tokens} (max_num_batched_tokens)"
             )
+        request.incarnation = next(self._incarnations)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -81,6 +88,8 @@ class Scheduler:
         self.finished_ids.append(request.request_id)
         if request.request_id in self.preempted_ids:  # preempted, then ended before it came back
             self.preempted_ids.remove(request.request_id)
+            if request.request_id in self.discarded_sample_ids:
+                self.discarded_sample_ids.remove(request.request_id)
 
     # -- one step ------------------------------------------------------------------------------
     def _seqs_per_batch(self) -> int:
@@ -144,6 +153,7 @@ class Scheduler:
         if num_tokens:  # an empty step is not sent: its finished ids wait for the next one
             output.finished_request_ids, self.finished_ids = self.finished_ids, []
             output.preempted_request_ids, self.preempted_ids = self.preempted_ids, []
+            output.discarded_sample_ids, self.discarded_sample_ids = self.discarded_sample_ids, []
         for request in self.running:
             count = num_tokens.get(request.request_id, 0)
             if count == 0:
@@ -163,7 +173,7 @@ class Scheduler:
                     new=new,
                 )
             )
-            output.preemption_epochs[request.request_id] = request.num_preemptions
+            output.incarnations[request.request_id] = request.incarnation
             output.num_scheduled_tokens += count
             request.num_computed_tokens = start + count
         return output
@@ -193,10 +203,15 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        # Every token scheduled, yet no output for the last one: its sample is in flight, and
+        # will be dropped as stale; the sampling rank rewinds the seeded generator that drew it.
+        if request.num_computed_tokens == request.num_tokens:
+            self.discarded_sample_ids.append(request.request_id)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.incarnation = next(self._incarnations)
         request.known_to_workers = False
         self.finished_ids.append(request.request_id)  # workers drop its state; it comes back as new
         self.preempted_ids.append(request.request_id)
@@ -218,8 +233,8 @@ class Scheduler:
                 scheduled.request_id, scheduled.start_position + len(scheduled.token_ids)
             )
         for request_id, reason in runner_output.failed.items():
-            request = self.requests.get(request_id)
-            if request is not None:
+            request = self._current(request_id, scheduler_output)
+            if request is not None:  # a report for an older incarnation fails nothing
                 outputs.append(self.fail_request(request, reason))
         for request_id, chunk in runner_output.prompt_logprobs.items():
             request = current.get(request_id)
@@ -243,8 +258,8 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.status != RequestStatus.RUNNING:
             return None  # aborted or preempted while in flight
-        if request.num_preemptions != scheduler_output.preemption_epochs.get(request_id):
-            return None  # preempted and rescheduled while this batch was in flight: stale
+        if request.incarnation != scheduler_output.incarnations.get(request_id):
+            return None  # preempted and rescheduled, or its id reused, while this batch was in flight
         return request
 
     def _append_sampled(

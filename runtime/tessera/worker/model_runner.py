@@ -47,6 +47,9 @@ class CachedRequestState:
     eos_token_id: int | None
     block_ids: list[int]
     generator: torch.Generator | None
+    # The generator's state before its latest sample: restored when the scheduler drops that
+    # sample (the request was preempted while it was in flight), so a seed gives one output.
+    generator_before_sample: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -128,12 +131,17 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         preempted = set(scheduler_output.preempted_request_ids)
+        discarded = set(scheduler_output.discarded_sample_ids)
         for request_id in scheduler_output.finished_request_ids:
             state = self.requests.pop(request_id, None)
             self.failed.pop(request_id, None)
             generator = self.paused_generators.pop(request_id, None)
             if request_id in preempted:
-                generator = state.generator if state is not None else generator
+                if state is not None:
+                    generator = state.generator
+                    drew = state.generator_before_sample
+                    if request_id in discarded and generator is not None and drew is not None:
+                        generator.set_state(drew)
                 if generator is not None:
                     self.paused_generators[request_id] = generator
         for scheduled in scheduler_output.scheduled:
@@ -399,7 +407,11 @@ class _GeneratorRewind:
     """Restores the seeded generators of some requests to their state at construction."""
 
     def __init__(self, states: list[CachedRequestState]) -> None:
-        self._saved = [(s.generator, s.generator.get_state()) for s in states if s.generator is not None]
+        self._saved = []
+        for state in states:
+            if state.generator is not None:
+                state.generator_before_sample = state.generator.get_state()
+                self._saved.append((state.generator, state.generator_before_sample))
 
     def __call__(self) -> None:
         for generator, state in self._saved:
