@@ -38,3 +38,17 @@ def test_ranks_built_on_a_passing_thread_serve_and_go_with_the_llm(tiny_llama_di
     gc.collect()
     assert all(exited(pid) for pid in ranks)
     assert set(glob.glob(pattern)) == before
+
+
+def test_an_engine_that_fails_to_start_takes_its_ranks_with_it(tiny_llama_dir: Path) -> None:
+    pattern = os.path.join(tempfile.gettempdir(), "tessera-ranks-*")
+    before_dirs, before_children = set(glob.glob(pattern)), set(children_of(os.getpid()))
+    try:
+        # The ranks start, then the warm-up finds no room for a prompt and a token.
+        LLM(str(tiny_llama_dir), pipeline_parallel_size=2, max_model_len=1, num_threads=1)
+    except ValueError as error:
+        assert "max_model_len=1" in str(error)
+    else:
+        raise AssertionError("an engine with max_model_len=1 started")
+    assert all(exited(pid) for pid in set(children_of(os.getpid())) - before_children)
+    assert set(glob.glob(pattern)) == before_dirs

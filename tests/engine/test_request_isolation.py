@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tessera.config import EngineConfig
-from tessera.core.request import Request, RequestStatus
+from tessera.core.request import Request, RequestRejected, RequestStatus
 from tessera.engine.core import EngineCore
 from tessera.engine.core_client import SyncMPClient
 from tessera.engine.messages import FINISH_ERROR, EngineCoreOutput, EngineCoreRequest
@@ -162,3 +162,30 @@ def test_a_request_whose_parameters_break_sampling_fails_alone(tiny_llama_dir: P
     assert produced == {"fine": 6, "fragile": 0}
     assert engine.scheduler.kv.usage == 0.0
     engine.shutdown()
+
+
+def test_a_refused_prompt_registers_no_block_a_concurrent_request_could_reuse(tiny_llama_dir: Path) -> None:
+    """Refused before its blocks exist: a prompt sharing its first block, scheduled in the same
+    step, must not take an unwritten block from the prefix cache."""
+    engine = EngineCore(
+        EngineConfig(model=str(tiny_llama_dir), block_size=16, num_kv_blocks=80, num_threads=1)
+    )
+    try:
+        shared = [(7 * i + 3) % 400 + 5 for i in range(16)]
+        alone = _greedy_tokens(engine, [("b", [*shared, 40, 41, 42])])["b"]
+        with pytest.raises(RequestRejected, match=r"token ids must be in \[0, 512\)"):
+            engine.add_request(engine_request("a", [*shared, 100_000]))
+        assert _greedy_tokens(engine, [("b2", [*shared, 40, 41, 42])])["b2"] == alone
+        assert engine.scheduler.kv.usage == 0.0
+    finally:
+        engine.shutdown()
+
+
+def _greedy_tokens(engine: EngineCore, prompts: list[tuple[str, list[int]]]) -> dict[str, list[int]]:
+    for request_id, prompt in prompts:
+        engine.add_request(engine_request(request_id, prompt))
+    got: dict[str, list[int]] = {request_id: [] for request_id, _ in prompts}
+    while engine.has_unfinished_requests():
+        for output in engine.step().outputs:
+            got[output.request_id] += output.new_token_ids
+    return got

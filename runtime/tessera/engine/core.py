@@ -16,10 +16,11 @@ from collections import deque
 from concurrent.futures import Future
 
 from tessera.config import EngineConfig
-from tessera.core.request import Request
+from tessera.core.request import Request, RequestRejected
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tessera.engine.processor import model_vocab_size
 from tessera.executor import make_executor
 from tessera.models.registry import resolve_model
 from tessera.sampling_params import SamplingParams
@@ -31,28 +32,44 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = resolve_model(config.model)
+        self.vocab_size = model_vocab_size(self.model_dir)
         self.executor = make_executor(config, self.model_dir)
-        self.max_model_len = self.executor.max_model_len
-        self.num_kv_blocks = self.executor.num_kv_blocks
-        self.block_size = config.block_size
-        self.max_concurrent_batches = config.max_batches_in_flight or self.executor.max_concurrent_batches
-        self.scheduler = Scheduler(
-            config, self.num_kv_blocks, self.max_model_len, pipeline_depth=self.max_concurrent_batches
-        )
-        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
-        if config.world_size > 1:
-            self._warm_up()
+        try:
+            self.max_model_len = self.executor.max_model_len
+            self.num_kv_blocks = self.executor.num_kv_blocks
+            self.block_size = config.block_size
+            self.max_concurrent_batches = config.max_batches_in_flight or self.executor.max_concurrent_batches
+            self.scheduler = Scheduler(
+                config, self.num_kv_blocks, self.max_model_len, pipeline_depth=self.max_concurrent_batches
+            )
+            self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+            if config.world_size > 1:
+                self._warm_up()
+        except BaseException:
+            self.executor.shutdown()  # the rank processes must not outlive an engine never made
+            raise
 
     def _warm_up(self) -> None:
-        """One token through every rank before anyone calls the engine ready: rendezvous, every
+        """A few tokens through every rank before anyone calls the engine ready: rendezvous, every
         stage-to-stage transfer and every collective have then worked once."""
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} leaves no room for a prompt and a token")
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self.add_request(EngineCoreRequest(WARM_UP_REQUEST_ID, [0] * 4, params, None, time.time()))
+        prompt = [0] * min(4, self.max_model_len - 1)
+        self.add_request(EngineCoreRequest(WARM_UP_REQUEST_ID, prompt, params, None, time.time()))
         while self.has_unfinished_requests():
             self.step()
         self.reset_prefix_cache()
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request; RequestRejected (nothing changed) if it can never run here."""
+        # Checked before any block is allocated: a prompt the runner refuses would leave blocks
+        # registered in the prefix cache that nobody writes.
+        outside = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise RequestRejected(
+                f"prompt token ids must be in [0, {self.vocab_size}) for this model, got {outside[:5]}"
+            )
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
