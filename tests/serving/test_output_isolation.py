@@ -73,3 +73,15 @@ def test_an_engine_reported_error_fails_the_whole_parent(processors: tuple[Input
     assert "index out of range" in str(result.failed["req"]) and "Traceback" not in str(result.failed["req"])
     assert [o.request_id for o in result.request_outputs] == ["other"]
     assert children[1] in result.reqs_to_abort
+
+
+def test_no_request_id_may_name_another_requests_child(processors: tuple[InputProcessor, Any]) -> None:
+    inputs, tokenizer = processors
+    processor = OutputProcessor(tokenizer)
+    assert add(processor, inputs, "x", SamplingParams(n=2, max_tokens=4)) == ["0_x", "1_x"]
+    with pytest.raises(ValueError, match="'0_x' is already in use"):
+        add(processor, inputs, "0_x", SamplingParams(max_tokens=4))
+    add(processor, inputs, "0_z", SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="'0_z' is already in use"):  # its first child's name
+        add(processor, inputs, "z", SamplingParams(n=2, max_tokens=4))
+    assert processor.child_to_parent == {"0_x": "x", "1_x": "x", "0_z": "0_z"}

@@ -91,8 +91,14 @@ class OutputProcessor:
         child_requests: list[EngineCoreRequest],
         output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
     ) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        # Children of n > 1 are named after their parent ("0_x"): no id may stand for two requests.
+        taken = [
+            rid
+            for rid in {request_id, *(c.request_id for c in child_requests)}
+            if rid in self.requests or rid in self.child_to_parent
+        ]
+        if taken:
+            raise ValueError(f"request id {sorted(taken)[0]!r} is already in use")
         sequences = {
             child.request_id: _Sequence(
                 index=index,

@@ -61,11 +61,9 @@ class LLM:
         """One RequestOutput per prompt, in the prompts' order."""
         prompt_list: list[Prompt] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = self._params_for(sampling_params, len(prompt_list))
-        request_ids = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            text, token_ids = self._tokenize(prompt)
-            request_ids.append(self._add_request(text, token_ids, params))
-        return self._run(request_ids, use_tqdm)
+        tokenized = [self._tokenize(prompt) for prompt in prompt_list]
+        inputs = [(text, ids, params) for (text, ids), params in zip(tokenized, params_list, strict=True)]
+        return self._run(self._add_requests(inputs), use_tqdm)
 
     def chat(
         self,
@@ -77,12 +75,11 @@ class LLM:
         """Generate replies to one conversation or a list of them, through the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         params_list = self._params_for(sampling_params, len(conversations))
-        request_ids = []
+        inputs = []
         for conversation, params in zip(conversations, params_list, strict=True):
             text = self.input_processor.render_chat(conversation, add_generation_prompt)  # type: ignore[arg-type]
-            token_ids = self.input_processor.tokenize(text, add_special_tokens=False)
-            request_ids.append(self._add_request(text, token_ids, params))
-        return self._run(request_ids, use_tqdm)
+            inputs.append((text, self.input_processor.tokenize(text, add_special_tokens=False), params))
+        return self._run(self._add_requests(inputs), use_tqdm)
 
     # -- internals ------------------------------------------------------------------------------
     @staticmethod
@@ -106,15 +103,30 @@ class LLM:
             return prompt["prompt"], self.input_processor.tokenize(prompt["prompt"])
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
 
-    def _add_request(self, prompt: str | None, token_ids: list[int], params: SamplingParams) -> str:
-        request_id = str(next(self._request_counter))
-        children = self.input_processor.process(request_id, token_ids, params)
-        self.output_processor.add_request(request_id, prompt, token_ids, params, children)
-        for child in children:
-            self.engine.add_request(child)
-        return request_id
+    def _add_requests(self, inputs: Sequence[tuple[str | None, list[int], SamplingParams]]) -> list[str]:
+        """Check every prompt, then add them all: a bad one fails the call and leaves none behind."""
+        checked = []
+        for prompt, token_ids, params in inputs:
+            request_id = str(next(self._request_counter))
+            children = self.input_processor.process(request_id, token_ids, params)
+            checked.append((request_id, prompt, token_ids, params, children))
+        added: list[str] = []
+        try:
+            for request_id, prompt, token_ids, params, children in checked:
+                self.output_processor.add_request(request_id, prompt, token_ids, params, children)
+                added.append(request_id)
+                for child in children:
+                    self.engine.add_request(child)
+        except BaseException:
+            self._abort(added)
+            raise
+        return added
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        wanted = set(request_ids)
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
@@ -125,11 +137,11 @@ class LLM:
                 for error in processed.failed.values():
                     raise error
                 for output in processed.request_outputs:
-                    finished[output.request_id] = output
-                    progress.update(1)
+                    if output.request_id in wanted:
+                        finished[output.request_id] = output
+                        progress.update(1)
         except BaseException:
-            # Leave the engine clean for the next call (e.g. after Ctrl-C).
-            self.engine.abort_requests(self.output_processor.abort_requests(request_ids))
+            self._abort(request_ids)  # leave the engine clean for the next call (e.g. after Ctrl-C)
             raise
         finally:
             progress.close()
