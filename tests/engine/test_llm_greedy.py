@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -120,9 +121,8 @@ def test_smollm2_answers_through_chat_template(smollm2_dir: Path):
 
 def test_abort_mid_flight_frees_every_block(tiny_llama_dir: Path):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, max_model_len=128)
-    for index in range(6):
-        text, ids = llm._tokenize(f"request number {index} " * (index + 1))
-        llm._add_request(text, ids, SamplingParams(max_tokens=50, ignore_eos=True))
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    llm._add_requests([(*llm._tokenize(f"request number {i} " * (i + 1)), params) for i in range(6)])
     for _ in range(3):
         llm.engine.step()
     assert llm.engine.scheduler.kv.usage > 0
@@ -244,6 +244,30 @@ def test_logprobs_and_stop_strings(tiny_llama_dir: Path):
         assert cut.outputs[0].text == full[: full.index(stop)]
         assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     assert llm.engine.scheduler.kv.usage == 0.0
+
+
+def test_a_stop_token_ends_the_output_without_its_text_and_min_tokens_holds_off_stop_strings(
+    tiny_llama_dir: Path,
+):
+    """vLLM's rules: the token that stopped the output (EOS or one of stop_token_ids) stays in the
+    token ids but adds no text unless include_stop_str_in_output; no stop ends it before min_tokens."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
+    tokenizer = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate(["Hello"], greedy)[0].outputs[0].token_ids
+    stop_id = full[3]
+    first = full.index(stop_id)  # the first time the stop token comes
+    for include in (False, True):
+        params = replace(greedy, stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        completion = llm.generate(["Hello"], params)[0].outputs[0]
+        assert completion.token_ids == full[: first + 1] and completion.finish_reason == "stop"
+        text_ids = completion.token_ids if include else completion.token_ids[:-1]
+        assert completion.text == tokenizer.decode(text_ids, skip_special_tokens=True)
+    # A stop string found in the first token's text ends nothing while min_tokens holds it off.
+    first_text = llm.generate(["Hello"], replace(greedy, max_tokens=1))[0].outputs[0].text
+    assert first_text.strip()
+    held = replace(greedy, stop=[first_text.strip()], min_tokens=5, max_tokens=5)
+    assert llm.generate(["Hello"], held)[0].outputs[0].token_ids == full[:5]
 
 
 @pytest.mark.parametrize(

@@ -19,10 +19,10 @@ SECRET_DETAIL = "/srv/secret/detokenizer.py line 42"
 _original_update = IncrementalDetokenizer.update
 
 
-def _failing_update(self: IncrementalDetokenizer, new_token_ids: list[int]) -> Any:
+def _failing_update(self: IncrementalDetokenizer, new_token_ids: list[int], **kwargs: Any) -> Any:
     if FAIL_MARKER in self.stop:
         raise RuntimeError(f"injected fault at {SECRET_DETAIL}")
-    return _original_update(self, new_token_ids)
+    return _original_update(self, new_token_ids, **kwargs)
 
 
 if __name__ == "__main__":

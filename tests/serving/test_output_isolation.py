@@ -37,10 +37,10 @@ def test_a_failing_detokenizer_fails_its_request_only(
     inputs, tokenizer = processors
     original = IncrementalDetokenizer.update
 
-    def update(self: IncrementalDetokenizer, token_ids: list[int]) -> Any:
+    def update(self: IncrementalDetokenizer, token_ids: list[int], **kwargs: Any) -> Any:
         if FAIL_STOP in self.stop:
             raise RuntimeError("boom at /some/file.py")
-        return original(self, token_ids)
+        return original(self, token_ids, **kwargs)
 
     monkeypatch.setattr(IncrementalDetokenizer, "update", update)
     processor = OutputProcessor(tokenizer)

@@ -28,10 +28,12 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.output_text = ""
         self.token_ids: list[int] = []
         self.num_decoded_tokens = 0  # tokens whose text has been emitted by the stream
+        self.num_text_tokens = 0  # tokens that have text: all but a stop token left out (as vLLM)
         if self.rust_tokenizer is not None:
             self.stream: DecodeStream | None = DecodeStream(
                 ids=prompt_token_ids[-PRIMING_TOKENS:], skip_special_tokens=self.skip_special_tokens
@@ -39,26 +41,35 @@ class IncrementalDetokenizer:
         else:
             self.stream = None
 
-    def update(self, new_token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string if one now appears (the text is cut there)."""
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Append tokens; returns the stop string if one now appears (the text is cut there).
+
+        ``stop_terminated``: the last token is the EOS or a stop token id, whose text is left out
+        unless ``include_stop_str_in_output`` (as vLLM does).
+        """
         previous_len = len(self.output_text)
-        for token_id in new_token_ids:
-            self.token_ids.append(token_id)
-            if self.stream is not None and self.rust_tokenizer is not None:
+        self.token_ids.extend(new_token_ids)
+        with_text = new_token_ids[:-1] if stop_terminated and not self.include_stop else new_token_ids
+        self.num_text_tokens += len(with_text)
+        if self.stream is not None and self.rust_tokenizer is not None:
+            for token_id in with_text:
                 piece = self.stream.step(self.rust_tokenizer, token_id)
                 if piece:
                     self.output_text += piece
-                    self.num_decoded_tokens = len(self.token_ids)
-        if self.stream is None:  # slow tokenizers: decode the whole output again
-            self.output_text = decode(self.tokenizer, self.token_ids, self.skip_special_tokens)
+                    self.num_decoded_tokens = self.num_text_tokens
+        else:  # slow tokenizers: decode the whole output again
+            text_ids = self.token_ids[: self.num_text_tokens]
+            self.output_text = decode(self.tokenizer, text_ids, self.skip_special_tokens)
+        if len(self.token_ids) <= self.min_tokens:
+            return None  # no stop string ends the output before min_tokens (vLLM's rule)
         return self._check_stop_strings(previous_len)
 
     def flush(self) -> None:
         """At the end, emit what the stream still holds (an incomplete UTF-8 sequence) as decode would."""
-        if self.stream is not None and self.num_decoded_tokens < len(self.token_ids):
-            pending = self.token_ids[self.num_decoded_tokens :]
+        if self.stream is not None and self.num_decoded_tokens < self.num_text_tokens:
+            pending = self.token_ids[self.num_decoded_tokens : self.num_text_tokens]
             self.output_text += decode(self.tokenizer, pending, self.skip_special_tokens)
-            self.num_decoded_tokens = len(self.token_ids)
+            self.num_decoded_tokens = self.num_text_tokens
 
     def _check_stop_strings(self, previous_len: int) -> str | None:
         if not self.stop:

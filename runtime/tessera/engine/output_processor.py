@@ -155,7 +155,9 @@ class OutputProcessor:
             detail = (output.error or "unknown error").splitlines()[0]
             raise RequestFailedError(f"the engine failed this request: {detail[:MAX_ERROR_MESSAGE_CHARS]}")
         request.num_cached_tokens = output.num_cached_tokens
-        stop_string = sequence.detokenizer.update(output.new_token_ids)
+        stop_string = sequence.detokenizer.update(
+            output.new_token_ids, stop_terminated=output.finish_reason == FINISH_STOP
+        )
         if output.new_logprobs is not None and sequence.num_logprobs is not None:
             self._append_logprobs(sequence, output.new_token_ids, output.new_logprobs)
         if output.prompt_logprobs is not None:
