@@ -8,11 +8,13 @@ MAX_LOGPROBS = 20  # top logprobs per token the engine returns at most (vLLM's d
 
 
 class InvalidParameterError(ValueError):
-    """A request parameter out of bounds; `param` names it for the client."""
+    """A request parameter out of bounds; `param` names it for the client, `code` (OpenAI's
+    machine-readable error code, e.g. context_length_exceeded) says why where a client may ask."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass

@@ -62,6 +62,23 @@ USER = [{"role": "user", "content": "x"}]
         ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ("/v1/completions", {"prompt": "hi", "bad_words": ["no"]}, "bad_words"),
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+        # vLLM's other extras: beam search, prompt truncation, priorities, chat template control.
+        ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"prompt": "hi", "length_penalty": 0.5}, "length_penalty"),
+        ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+        ("/v1/chat/completions", {"messages": USER, "priority": 1}, "priority"),
+        ("/v1/chat/completions", {"messages": USER, "echo": True}, "echo"),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "continue_final_message": True},
+            "continue_final_message",
+        ),
+        ("/v1/chat/completions", {"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+        ),
     ],
 )
 def test_invalid_parameters_are_400(
@@ -81,7 +98,26 @@ def test_over_long_prompt_is_400(server: ServerProcess) -> None:
     error = assert_openai_error(
         httpx.post(f"{server.base_url}/v1/completions", json=body, headers=server.headers), 400
     )
-    assert "context length" in error["message"]
+    assert "context length" in error["message"] and error["code"] == "context_length_exceeded"
+    body = {"model": MODEL_NAME, "messages": USER, "max_completion_tokens": 500}
+    error = assert_openai_error(
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=server.headers), 400
+    )
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_completion_tokens"
+
+
+def test_extras_that_ask_for_nothing_pass_and_text_parts_join_by_line(server: ServerProcess) -> None:
+    def prompt_tokens(content: Any, **extras: Any) -> int:
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        response = httpx.post(
+            f"{server.base_url}/v1/chat/completions", json={**body, **extras}, headers=server.headers
+        )
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens"])
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    harmless = {"echo": False, "use_beam_search": False, "length_penalty": 1.0, "priority": 0}
+    assert prompt_tokens(parts, **harmless) == prompt_tokens("Hello\nthere") != prompt_tokens("Hellothere")
 
 
 def test_malformed_json_is_400(server: ServerProcess) -> None:
@@ -155,7 +191,7 @@ def test_answers_name_the_alias_the_client_asked_for() -> None:
         (("body", "prompt", "str"), "prompt"),
         (("body", "prompt", "list[constrained-int]", 1), "prompt[1]"),
         (
-            ("body", "messages", 0, "content", "list[TextContentPart]", 0, "TextContentPart", "type"),
+            ("body", "messages", 0, "content", "list[ContentPart]", 0, "ContentPart", "type"),
             "messages[0].content[0].type",
         ),
         (("body",), None),

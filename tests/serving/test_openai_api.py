@@ -79,6 +79,13 @@ def test_chat_completion_and_stream(client: openai.OpenAI) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+    # A stop string ends the stream's choice as it ends the whole response: with its stop_reason.
+    stop = full.choices[0].message.content[2:5]
+    stopped = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0.0, stream=True, stop=[stop]
+    )
+    last = [c for c in stopped if c.choices][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop
 
 
 def test_n_seed_logprobs_and_stop(client: openai.OpenAI) -> None:

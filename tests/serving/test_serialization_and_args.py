@@ -108,7 +108,7 @@ def test_openai_requests_become_sampling_params() -> None:
     assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
     chat = ChatCompletionRequest(
         messages=[
-            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}
         ],
         max_tokens=5,
         max_completion_tokens=9,
@@ -118,7 +118,7 @@ def test_openai_requests_become_sampling_params() -> None:
     )
     params = chat.to_sampling_params(default_max_tokens=100)
     assert (params.max_tokens, params.logprobs, params.greedy) == (9, 3, True)
-    assert chat.chat_messages() == [{"role": "user", "content": "hi there"}]
+    assert chat.chat_messages() == [{"role": "user", "content": "hi\nthere"}]
     assert (
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params(50).max_tokens
         == 50

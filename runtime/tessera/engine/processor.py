@@ -19,6 +19,10 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+# OpenAI's error code for a prompt (and completion) longer than the model's context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 def model_vocab_size(model_dir: Path) -> int:
     """Rows of the embedding and columns of the logits: every token id must be below it."""
     return int(AutoConfig.from_pretrained(str(model_dir)).get_text_config().vocab_size)
@@ -101,6 +105,7 @@ class InputProcessor:
                     param,
                     f"{param} has {len(prompt)} characters, more than fit in the {self.max_prompt_len} "
                     f"tokens a prompt may have (this model's maximum context length is {self.max_model_len})",
+                    code=CONTEXT_LENGTH_EXCEEDED,
                 )
             try:
                 token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
@@ -112,7 +117,9 @@ class InputProcessor:
         if not token_ids:
             raise InvalidParameterError(param, f"{param} is empty")
         if len(token_ids) > self.max_prompt_len:
-            raise InvalidParameterError(param, self._too_long_message(len(token_ids), param))
+            raise InvalidParameterError(
+                param, self._too_long_message(len(token_ids), param), code=CONTEXT_LENGTH_EXCEEDED
+            )
         return token_ids
 
     def _too_long_message(self, num_tokens: int, param: str) -> str:

@@ -64,7 +64,7 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 def param_of(loc: Any) -> str | None:
     """pydantic's error location as the request spells it: `messages[0].content`, without the
-    union branch pydantic tried (`str`, `list[str]`, `TextContentPart`, ...)."""
+    union branch pydantic tried (`str`, `list[str]`, `ContentPart`, ...)."""
     param = ""
     for part in loc:
         if isinstance(part, int):
@@ -101,7 +101,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.headers)
+        return error_response(exc.message, exc.status, exc.param, exc.headers, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -121,7 +121,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def on_failure(request: Request, exc: Exception) -> JSONResponse:
         error = APIError.of(exc)
-        return error_response(error.message, error.status, error.param, error.headers)
+        return error_response(error.message, error.status, error.param, error.headers, error.code)
 
     # The last middleware added runs first: the API key is checked before a body is even read.
     limits = ctx.limits

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -105,17 +105,32 @@ class UsageInfo(OpenAIModel):
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32)]], Field(min_length=1)]
 
 
-UNSUPPORTED_VLLM_EXTRAS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    "bad_words",
-    "allowed_token_ids",
-    "logits_processors",
-    "prompt_logprobs",
-)
+# vLLM's extras that Tessera does not implement, each with the value that asks for nothing: any
+# other value is refused with a 400 naming the field (a client would otherwise trust an effect
+# that never happened: constrained output, beam search, a truncated prompt).
+UNSUPPORTED_VLLM_EXTRAS: dict[str, Any] = {
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+    "bad_words": None,
+    "allowed_token_ids": None,
+    "logits_processors": None,
+    "prompt_logprobs": None,
+    "use_beam_search": False,
+    "length_penalty": 1.0,
+    "truncate_prompt_tokens": None,
+    "priority": 0,
+    "return_tokens_as_token_ids": False,
+}
+UNSUPPORTED_CHAT_EXTRAS: dict[str, Any] = {
+    "echo": False,
+    "continue_final_message": False,
+    "chat_template": None,
+    "chat_template_kwargs": None,
+    "documents": None,
+}
 
 
 class SamplingFields(RequestModel):
@@ -141,23 +156,28 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # vLLM's extras that constrain or score output, which Tessera does not do: declared so that
-    # asking for them is refused (a client would otherwise trust unconstrained text).
+    # UNSUPPORTED_VLLM_EXTRAS, declared so that asking for them is refused, never ignored.
     guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
-    bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    logits_processors: list[Any] | None = None
-    prompt_logprobs: int | None = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
+    unsupported_extras: ClassVar[dict[str, Any]] = UNSUPPORTED_VLLM_EXTRAS
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options", "stream_options can only be given with stream=true")
-        for name in UNSUPPORTED_VLLM_EXTRAS:
-            if getattr(self, name) is not None:
+        for name, harmless in self.unsupported_extras.items():
+            if getattr(self, name) not in (None, harmless):
                 hint = (
                     " (completions: echo with logprobs scores the prompt)"
                     if name == "prompt_logprobs"
@@ -272,20 +292,26 @@ class CompletionResponse(OpenAIModel):
 # --- /v1/chat/completions ----------------------------------------------------------------
 
 
-class TextContentPart(RequestModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(RequestModel):
+    """One part of a message's content; only text parts can be served (the models read text)."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.text for part in self.content)
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                kind = part.type if part.type != "text" else "text without text"
+                raise InvalidParameterError("messages", f"content part type {kind!r} is not supported")
+        return "\n".join(part.text or "" for part in self.content)  # vLLM joins text parts by line
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -298,6 +324,12 @@ class ChatCompletionRequest(SamplingFields):
     logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None
     # Declared so that asking for them is refused (below), never silently ignored.
+    echo: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    unsupported_extras: ClassVar[dict[str, Any]] = UNSUPPORTED_VLLM_EXTRAS | UNSUPPORTED_CHAT_EXTRAS
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -379,6 +411,7 @@ class ChatStreamChoice(OpenAIModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(OpenAIModel):

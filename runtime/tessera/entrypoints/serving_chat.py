@@ -63,8 +63,9 @@ async def create_chat_completion(
     ctx.check_params(
         body.to_sampling_params(ctx.engine.max_model_len), num_prompts=1, logprobs_param="top_logprobs"
     )
+    messages = body.chat_messages()
     try:
-        prompt = await ctx.engine.render_chat_async(body.chat_messages(), body.add_generation_prompt)
+        prompt = await ctx.engine.render_chat_async(messages, body.add_generation_prompt)
     except Exception as exc:  # the template is user-facing Jinja: any failure is the request's fault
         raise APIError(
             f"cannot apply the chat template: {exc}", HTTPStatus.BAD_REQUEST, param="messages"
@@ -146,6 +147,7 @@ async def _stream(
                         delta=DeltaMessage(content=completion.text),
                         logprobs=chat_logprobs(completion, top_n, ctx.engine.tokenizer),
                         finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
                     )
                 )
         if body.stream_options is not None and body.stream_options.include_usage:

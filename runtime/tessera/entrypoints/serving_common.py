@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from tessera.engine.async_llm import AsyncLLM
 from tessera.engine.core_client import EngineDeadError
 from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
+from tessera.engine.processor import CONTEXT_LENGTH_EXCEEDED
 from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import ErrorInfo, ErrorResponse
 from tessera.sampling_params import InvalidParameterError, SamplingParams
@@ -36,12 +37,14 @@ class APIError(Exception):
         status: int = 400,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        code: str | None = None,  # OpenAI's machine-readable code; the status when None
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.headers = headers
+        self.code = code
 
     @classmethod
     def of(cls, exc: Exception) -> APIError:
@@ -49,7 +52,7 @@ class APIError(Exception):
         if isinstance(exc, APIError):
             return exc
         if isinstance(exc, InvalidParameterError):
-            return cls(str(exc), HTTPStatus.BAD_REQUEST, param=exc.param)
+            return cls(str(exc), HTTPStatus.BAD_REQUEST, param=exc.param, code=exc.code)
         if isinstance(exc, EngineDeadError):  # its text may hold the engine core's traceback
             summary = str(exc).splitlines()[0].rstrip(":") if str(exc) else "no detail"
             return cls(f"the engine died ({summary})", HTTPStatus.SERVICE_UNAVAILABLE)
@@ -69,11 +72,12 @@ _ERROR_TYPES = {
 }
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, status: int, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return ErrorResponse(
-        error=ErrorInfo(message=message, type=error_type, param=param, code=status)
-    ).model_dump()
+    info = ErrorInfo(message=message, type=error_type, param=param, code=status if code is None else code)
+    return ErrorResponse(error=info).model_dump()
 
 
 class _AsciiJSONResponse(JSONResponse):
@@ -84,9 +88,14 @@ class _AsciiJSONResponse(JSONResponse):
 
 
 def error_response(
-    message: str, status: int, param: str | None = None, headers: dict[str, str] | None = None
+    message: str,
+    status: int,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
-    return _AsciiJSONResponse(error_body(message, status, param), status_code=status, headers=headers)
+    body = error_body(message, status, param, code)
+    return _AsciiJSONResponse(body, status_code=status, headers=headers)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -108,7 +117,7 @@ async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
             yield event
     except Exception as exc:
         error = APIError.of(exc)
-        yield sse(error_body(error.message, error.status, error.param))
+        yield sse(error_body(error.message, error.status, error.param, error.code))
     yield SSE_DONE
 
 
@@ -144,6 +153,7 @@ class ServingContext:
                 f"the completion). Please reduce the prompt or {param}.",
                 HTTPStatus.BAD_REQUEST,
                 param=param,
+                code=CONTEXT_LENGTH_EXCEEDED,  # what OpenAI's clients look for
             )
 
     def check_admission(self, num_sequences: int) -> None:
