@@ -1,4 +1,4 @@
-"""The Argo CD health check shipped in examples/ (Lua 5.1, as Argo CD's gopher-lua runs it),
+"""The Argo CD health check shipped in examples/argocd/ (Lua 5.1, as Argo CD's gopher-lua runs it),
 judged on statuses the operator's own pure functions write."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tessera_operator.api import InferenceClusterStatus
 from tessera_operator.status import degraded_status
 from tests.operator.sim import Sim, spec_of
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "argocd-health.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "argocd" / "health-patch.yaml"
 KEY = "resource.customizations.health.tessera.dev_InferenceCluster"
 
 

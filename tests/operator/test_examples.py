@@ -19,9 +19,12 @@ def test_examples_pass_the_cross_field_rules(path: Path, doc: dict[str, Any]) ->
     assert validate_object(doc["metadata"]["name"], doc["spec"]) == []
 
 
-def test_every_example_is_an_inference_cluster_a_network_policy_or_argo_cds_health_check() -> None:
-    assert {d["kind"] for _, d in DOCS} == {"InferenceCluster", "NetworkPolicy", "ConfigMap"}
-    assert [d["metadata"]["name"] for _, d in DOCS if d["kind"] == "ConfigMap"] == ["argocd-cm"]
+def test_what_kubectl_apply_f_examples_applies_is_inference_clusters_and_a_network_policy() -> None:
+    # Argo CD's health check is a patch of its argocd-cm, in a folder of its own: applied as a
+    # ConfigMap it would replace Argo CD's whole configuration.
+    assert {d["kind"] for _, d in DOCS} == {"InferenceCluster", "NetworkPolicy"}
+    patch = yaml.safe_load((EXAMPLES_DIR / "argocd" / "health-patch.yaml").read_text())
+    assert set(patch) == {"data"}
 
 
 def test_gpu_example_places_one_gpu_per_rank_with_tp_on_one_node() -> None:
