@@ -26,7 +26,7 @@ from tessera_operator.observe import Observation, controlled_by, observe
 from tessera_operator.planner import Event, plan
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
-from tessera_operator.status import build_status, degraded_status, keep_degraded
+from tessera_operator.status import build_status, degraded_status, keep_degraded, merge_patch
 from tessera_operator.timeutil import to_rfc3339
 from tessera_operator.validation import validate_object
 
@@ -245,12 +245,9 @@ class Reconciler:
     async def write_status(
         self, ic_path: str, previous: InferenceClusterStatus, status: InferenceClusterStatus
     ) -> bool:
-        new = status.wire()
-        old = previous.wire()
-        if new == old:
+        body = merge_patch(previous.wire(), status.wire())
+        if not body:
             return False
-        body: dict[str, Any] = {key: None for key in old if key not in new}  # merge patch: null deletes
-        body.update(new)
         await self.client.merge_patch(ic_path + "/status", {"status": body})
         return True
 

@@ -7,6 +7,7 @@ forward pass done): pods merely Running never make a cluster Ready.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from tessera_operator import naming
 from tessera_operator.api import Condition, GroupStatus, InferenceClusterSpec, InferenceClusterStatus
@@ -196,3 +197,18 @@ def keep_degraded(
     return status.model_copy(
         update={"conditions": [c for c in status.conditions if c.type != "Degraded"] + [old]}
     )
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns old into new: null deletes a key, at any depth
+    (a nested field left out of new, e.g. autoscaling.queueDepth, would otherwise stay)."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            inner = merge_patch(before, value)
+            if inner:
+                patch[key] = inner
+        elif key not in old or value != before:
+            patch[key] = value
+    return patch

@@ -65,11 +65,7 @@ class FakeClient:
             target["spec"]["replicas"] = body["spec"]["replicas"]
             return target
         target = self.objects[path.removesuffix("/status")]
-        for key, value in body["status"].items():
-            if value is None:
-                target.setdefault("status", {}).pop(key, None)
-            else:
-                target.setdefault("status", {})[key] = value
+        target["status"] = apply_merge_patch(target.get("status") or {}, body["status"])
         return target
 
     async def delete(self, path: str, *, uid: str | None = None) -> None:
@@ -80,6 +76,19 @@ class FakeClient:
         self.calls.append((method, path))
         self.objects[path] = body
         return dict(body)
+
+
+def apply_merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7386, as the API server applies a merge patch."""
+    result = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        elif isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = apply_merge_patch(result[key], value)
+        else:
+            result[key] = value
+    return result
 
 
 IC_PATH = "/apis/tessera.dev/v1alpha1/namespaces/ns/inferenceclusters/demo"
@@ -319,10 +328,16 @@ async def test_leaders_that_never_answer_are_reported_once_not_silently_left_uns
         await reconciler.reconcile("ns", "demo")
     assert len(warnings()) == 1 and warnings()[0].get("count", 1) == 1
     assert "none of 1 Ready leaders answered" in warnings()[0]["message"]
-    answers[0] = 0.0  # reachable again, then lost again: said again
+    answers[0] = 2.0  # reachable again, then lost again: said again
     now[0] += 20
     await reconciler.reconcile("ns", "demo")
+    assert client.objects[IC_PATH]["status"]["autoscaling"]["queueDepth"] == 2.0
     answers[0] = None
     now[0] += 20
     await reconciler.reconcile("ns", "demo")
     assert warnings()[0]["count"] == 2
+    autoscaling = client.objects[IC_PATH]["status"]["autoscaling"]
+    assert "queueDepth" not in autoscaling and autoscaling["measuredReplicas"] == 0  # no stale depth
+    writes = len(client.calls)
+    await reconciler.reconcile("ns", "demo")  # nothing changed: nothing written
+    assert [c for c in client.calls[writes:] if c[0] == "PATCH"] == []
