@@ -215,7 +215,8 @@ class RolloutSpec(Wire):
         ge=0,
         le=MAX_DELAY_SECONDS,
         description="A group whose pods cannot start this long (unschedulable, an image that is not "
-        "pulled) makes the cluster Stalled, reason ProgressDeadlineExceeded: GitOps tools stop waiting.",
+        "pulled), or that keeps failing this long without a Ready run, makes the cluster Stalled, "
+        "reason ProgressDeadlineExceeded: GitOps tools stop waiting.",
     )
 
 
@@ -317,6 +318,10 @@ class GroupStatus(Wire):
         default=None, description="Why its pods do not start (Unschedulable, ImagePullBackOff, ...)."
     )
     start_problem_since: str | None = Field(default=None, description="Since when they do not start.")
+    failing_since: str | None = Field(
+        default=None,
+        description="First failure of restarts with no Ready run between (past the progress deadline: Stalled).",
+    )
 
 
 class Condition(Wire):

@@ -165,6 +165,7 @@ def _plan_group(
                     "pods": 0,
                     "ready": False,
                     "ready_since": None,
+                    "failing_since": None,  # a new revision gets its own deadline
                 }
             )
 
@@ -226,6 +227,7 @@ def _plan_group(
             "ready": ready,
             "ready_since": ready_since,
             "next_restart_time": None,
+            "failing_since": None if ready else status.failing_since,
         }
     )
 

@@ -36,6 +36,7 @@ def record_failure(group: GroupStatus, reason: str, now: float, policy: RestartP
             "backoff_seconds": delay,
             "next_restart_time": to_rfc3339(now + delay),
             "ready_since": None,
+            "failing_since": group.failing_since or to_rfc3339(now),
         }
     )
 

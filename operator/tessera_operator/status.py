@@ -59,20 +59,28 @@ def _progressing(spec: InferenceClusterSpec, plan: Plan, updated_ready: int, upd
 
 
 def _degraded(groups: list[GroupStatus], now: float, deadline: float) -> Condition:
+    def late(since: str | None) -> bool:
+        return now - (from_rfc3339(since) or now) >= deadline
+
     failing = [g for g in groups if g.phase == "BackingOff"]
     if failing:
-        parts = [
+        message = "; ".join(
             f"group {g.index}: {g.last_failure}; restart {g.restarts} at {g.next_restart_time}"
             for g in failing
-        ]
-        return Condition(type="Degraded", status="True", reason="GroupRestarting", message="; ".join(parts))
+        )
+        # A crash loop (a mistyped model source, too little memory) waits for a person too.
+        crash_looping = any(late(g.failing_since) for g in failing)
+        if crash_looping:
+            message += f" (failing for more than the {deadline:g} s progress deadline)"
+        reason = "ProgressDeadlineExceeded" if crash_looping else "GroupRestarting"
+        return Condition(type="Degraded", status="True", reason=reason, message=message)
     stuck = [g for g in groups if g.start_problem]
     if stuck:
-        late = [g for g in stuck if now - (from_rfc3339(g.start_problem_since) or now) >= deadline]
+        late_ones = [g for g in stuck if late(g.start_problem_since)]
         message = "; ".join(f"group {g.index}: {g.start_problem}" for g in stuck)
-        if late:
+        if late_ones:
             message += f" (for more than the {deadline:g} s progress deadline)"
-        reason = "ProgressDeadlineExceeded" if late else "PodsNotStarting"
+        reason = "ProgressDeadlineExceeded" if late_ones else "PodsNotStarting"
         return Condition(type="Degraded", status="True", reason=reason, message=message)
     return Condition(type="Degraded", status="False", reason="AsExpected", message="no group is failing")
 

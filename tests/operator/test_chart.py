@@ -145,7 +145,6 @@ def test_bad_values_are_refused_naming_the_value() -> None:
     assert "serviceAccount.name is required" in refusal("serviceAccount.create=false")
 
 
-
 def test_pod_labels_add_to_the_charts_own_and_never_replace_them() -> None:
     # A duplicate key (the chart's and the value's) made the API server refuse the Deployment.
     docs = render("podLabels.team=ml", "podLabels.helm\\.sh/chart=mine")
@@ -154,6 +153,7 @@ def test_pod_labels_add_to_the_charts_own_and_never_replace_them() -> None:
     assert labels["team"] == "ml" and labels["helm.sh/chart"].startswith("tessera-")
     assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert "/podLabels" in refusal("podLabels.app\\.kubernetes\\.io/name=mine")
+
 
 def test_two_releases_of_one_name_in_two_namespaces_share_no_cluster_scoped_object() -> None:
     def cluster_scoped(namespace: str) -> set[tuple[str, str]]:

@@ -275,3 +275,31 @@ def test_pods_that_cannot_start_are_named_once_and_stall_the_cluster_past_the_de
     sim.step()
     assert sim.status.groups[0].start_problem is None
     assert sim.condition("Degraded").status == "False" and sim.condition("Stalled").status == "False"
+
+
+def test_a_group_that_keeps_failing_stalls_the_cluster_past_the_deadline_until_it_runs() -> None:
+    """A crash loop (a mistyped model source, too little memory) waits for a person as much as an
+    image that never pulls: GitOps tools must stop waiting for it."""
+    sim = Sim(spec_of(rollout={"progressDeadlineSeconds": 60}, restartPolicy={"backoffBaseSeconds": 10}))
+
+    def crash() -> None:  # the group's pods start, then a rank exits
+        sim.step()
+        sim.run_all(ready=False)
+        sim.step()
+        sim.fail("demo-g0-s0-t0")
+        sim.step()
+        sim.now += sim.status.groups[0].backoff_seconds or 0
+
+    crash()
+    assert sim.condition("Degraded").reason == "GroupRestarting"
+    assert sim.condition("Stalled").status == "False"
+    for _ in range(3):  # 10 + 20 + 40 s of backoff: past the 60 s deadline
+        crash()
+    assert sim.condition("Degraded").reason == "ProgressDeadlineExceeded"
+    assert "failing for more than the 60 s progress deadline" in sim.condition("Degraded").message
+    assert sim.condition("Stalled").status == "True"
+    sim.converge()  # fixed: the group runs and is Ready
+    assert sim.status.groups[0].failing_since is None
+    assert sim.condition("Stalled").status == "False" and sim.condition("Degraded").status == "False"
+    crash()  # a failure after a Ready run starts a new deadline
+    assert sim.condition("Degraded").reason == "GroupRestarting"
