@@ -28,7 +28,7 @@ from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
 from tessera_operator.status import build_status, degraded_status, keep_degraded, merge_patch
 from tessera_operator.timeutil import to_rfc3339
-from tessera_operator.validation import validate_object
+from tessera_operator.validation import capped_spec, validate_object
 
 log = logging.getLogger("tessera_operator.reconcile")
 COMPONENT = "tessera-operator"
@@ -83,7 +83,8 @@ class Reconciler:
         now = self.clock()
 
         errors = validate_object(name, ic.get("spec") or {}, self.policy)
-        if errors:
+        capped = capped_spec(ic.get("spec") or {}, errors, self.policy)
+        if errors and capped is None:
             await self.report(ic_path, ref, previous, degraded_status(
                 previous, generation, "InvalidSpec", "; ".join(str(e) for e in errors), now
             ))  # fmt: skip
@@ -95,7 +96,7 @@ class Reconciler:
             self.client.list(core_path(namespace, "services"), selector),
         )
         try:  # pure: an exception here is a bug or a spec the rules missed, never transient
-            spec = InferenceClusterSpec.model_validate(ic["spec"])
+            spec = capped or InferenceClusterSpec.model_validate(ic["spec"])
             revision = builders.revision_of(spec)
             observation = observe(name, ref.uid, pods)
             prior = {g.index: g for g in previous.groups}
@@ -138,6 +139,11 @@ class Reconciler:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
             failed = degraded_status(status, generation, refused[0].reason, f"{refused[0]}{more}", now)
             await self.report(ic_path, ref, intent, failed)
+        elif capped is not None:
+            message = f"{errors[0]}; holding {capped.replicas} groups until it is lowered"
+            await self.report(
+                ic_path, ref, intent, degraded_status(status, generation, "InvalidSpec", message, now)
+            )
         else:
             await self.write_status(ic_path, intent, status)
         log.debug(

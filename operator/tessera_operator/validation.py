@@ -194,3 +194,22 @@ def validate_object(name: str, raw_spec: dict[str, Any], policy: PodPolicy | Non
     if spec is not None:
         errors += validate_spec(spec, policy)
     return errors
+
+
+# Faults a write through the scale subresource can cause (`kubectl scale`, an HPA): admission
+# never sees those writes, so they are not refused but held at the cap.
+COUNT_FIELDS = frozenset({"spec.replicas", "spec.rollout.maxSurge"})
+
+
+def capped_spec(
+    raw_spec: dict[str, Any], errors: list[FieldError], policy: PodPolicy
+) -> InferenceClusterSpec | None:
+    """The spec at the most groups the operator's pod cap allows, when too many replicas are its
+    only fault: the cluster keeps its groups running and repaired meanwhile. None otherwise."""
+    if not errors or any(e.field not in COUNT_FIELDS for e in errors):
+        return None
+    spec = InferenceClusterSpec.model_validate(raw_spec)
+    group = spec.parallelism.tensor * spec.parallelism.pipeline
+    allowed = max(policy.max_pods_per_cluster // group - spec.rollout.max_surge, 0)
+    capped = spec.model_copy(update={"replicas": min(spec.replicas, allowed)})
+    return None if validate_spec(capped, policy) else capped

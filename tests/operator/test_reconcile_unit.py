@@ -65,7 +65,7 @@ class FakeClient:
             target["spec"]["replicas"] = body["spec"]["replicas"]
             return target
         target = self.objects[path.removesuffix("/status")]
-        target["status"] = apply_merge_patch(target.get("status") or {}, body["status"])
+        target.update(apply_merge_patch(target, body))
         return target
 
     async def delete(self, path: str, *, uid: str | None = None) -> None:
@@ -146,6 +146,24 @@ async def test_drifted_service_is_repaired_and_invalid_spec_is_reported_not_acte
     assert (conditions["Stalled"]["status"], conditions["Stalled"]["reason"]) == ("True", "InvalidSpec")
     assert conditions["Reconciling"]["status"] == "False"
     assert not [p for p in bad.objects if "/pods/" in p]
+
+
+async def test_a_scale_past_the_pod_cap_holds_the_groups_it_allows_and_keeps_repairing_them() -> None:
+    # `kubectl scale` and an HPA write through the scale subresource, which admission never sees.
+    client = fake_with_cluster(replicas=2)
+    reconciler = Reconciler(client, clock=lambda: 1000.0, policy=PodPolicy(max_pods_per_cluster=12))  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    client.objects[IC_PATH]["spec"]["replicas"] = 5  # 20 pods, over the cap of 12 (3 groups)
+    del client.objects[PODS + "demo-g0-s1-t1"]  # and a rank is lost meanwhile
+    await reconciler.reconcile("ns", "demo")
+    assert len(pod_names(client)) == 12 and "demo-g0-s1-t1" in pod_names(client)
+    assert degraded(client)["reason"] == "InvalidSpec"
+    assert (
+        "spec.replicas" in degraded(client)["message"] and "holding 3 groups" in degraded(client)["message"]
+    )
+    client.objects[IC_PATH]["spec"]["replicas"] = 3  # lowered: a valid spec again
+    await reconciler.reconcile("ns", "demo")
+    assert degraded(client)["status"] == "False"
 
 
 async def test_a_deleted_cluster_stops_the_loop() -> None:
