@@ -157,6 +157,18 @@ def controlled_by(pod: dict[str, Any], uid: str) -> bool:
     return any(o.get("controller") is True and o.get("uid") == uid for o in owners)
 
 
+def is_orphan(pod: dict[str, Any], cluster: str) -> bool:
+    """A pod with this cluster's labels that no controller owns: what `kubectl delete ic NAME
+    --cascade=orphan` leaves for the next InferenceCluster of that name to adopt."""
+    meta = pod["metadata"]
+    labels = meta.get("labels") or {}
+    if meta.get("deletionTimestamp") or labels.get(naming.CLUSTER_LABEL) != cluster:
+        return False
+    if any(o.get("controller") is True for o in meta.get("ownerReferences") or []):
+        return False
+    return all(labels.get(key) == value for key, value in naming.MANAGED_BY.items())
+
+
 def observe(cluster: str, uid: str, pods: Iterable[dict[str, Any]]) -> Observation:
     groups: dict[int, GroupObservation] = {}
     strays: list[str] = []

@@ -22,7 +22,7 @@ from typing import Any
 from tessera_operator import api, autoscaler, builders, naming
 from tessera_operator.api import AutoscalingStatus, InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
-from tessera_operator.observe import Observation, controlled_by, observe
+from tessera_operator.observe import Observation, controlled_by, is_orphan, observe
 from tessera_operator.planner import Event, plan
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
@@ -95,6 +95,7 @@ class Reconciler:
             self.client.list(core_path(namespace, "pods"), selector),
             self.client.list(core_path(namespace, "services"), selector),
         )
+        pods = await self.adopt_orphans(ref, pods)
         try:  # pure: an exception here is a bug or a spec the rules missed, never transient
             spec = capped or InferenceClusterSpec.model_validate(ic["spec"])
             revision = builders.revision_of(spec)
@@ -226,6 +227,34 @@ class Reconciler:
             last_scale_time=last_scale,
         )
         return status.model_copy(update={"autoscaling": measured}), self.autoscale_interval
+
+    async def adopt_orphans(
+        self, ref: builders.ClusterRef, pods: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Adopts the orphans among the pods, as a ReplicaSet does (the planner then keeps, rolls or
+        replaces them like its own); returns the pods with the adopted ones as they are now."""
+        result = []
+        for pod in pods:
+            if not is_orphan(pod, ref.name):
+                result.append(pod)
+                continue
+            meta = pod["metadata"]
+            owners = [*(meta.get("ownerReferences") or []), builders.owner_reference(ref)]
+            path = core_path(ref.namespace, "pods", meta["name"])
+            try:  # the uid makes it this very pod, not one recreated under its name meanwhile
+                adopted = await self.client.merge_patch(
+                    path, {"metadata": {"uid": meta["uid"], "ownerReferences": owners}}
+                )
+            except ApiError as exc:
+                if exc.status == 403:  # a Role from before adoption (no pods/patch): left alone
+                    log.warning("%s/%s: cannot adopt pod %s: %s", ref.namespace, ref.name, meta["name"], exc)
+                elif exc.status not in (404, 409, 422):
+                    raise
+                continue  # gone or replaced meanwhile: not ours
+            result.append(adopted)
+            message = f"adopted pod {meta['name']}, which no controller owned (left by an orphaning delete)"
+            await self.post_events(ref, [Event("Normal", "Adopted", message)])
+        return result
 
     async def refused_writes(self, writes: list[Any]) -> list[WriteRefused]:
         """Runs the writes; returns those refused for good, raises anything transient."""

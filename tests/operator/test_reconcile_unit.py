@@ -13,6 +13,7 @@ from tessera_operator.kube import ApiError
 from tessera_operator.planner import Event
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.reconcile import Reconciler
+from tests.operator.sim import spec_of
 
 _uids = itertools.count()
 
@@ -359,3 +360,33 @@ async def test_leaders_that_never_answer_are_reported_once_not_silently_left_uns
     writes = len(client.calls)
     await reconciler.reconcile("ns", "demo")  # nothing changed: nothing written
     assert [c for c in client.calls[writes:] if c[0] == "PATCH"] == []
+
+
+async def test_pods_an_orphaning_delete_left_are_adopted_by_the_next_cluster_of_that_name() -> None:
+    client = fake_with_cluster(replicas=1)
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    run_all(client)
+    # `kubectl delete ic demo --cascade=orphan`, then the same manifest applied again.
+    pods = {path: obj for path, obj in client.objects.items() if path.startswith(PODS)}
+    for pod in pods.values():
+        pod["metadata"]["ownerReferences"] = []
+    client.objects[IC_PATH]["metadata"]["uid"] = "ic-uid-2"
+    uids = {path: pod["metadata"]["uid"] for path, pod in pods.items()}
+    await reconciler.reconcile("ns", "demo")
+    owners = {path: [o["uid"] for o in pod["metadata"]["ownerReferences"]] for path, pod in pods.items()}
+    assert set(map(tuple, owners.values())) == {("ic-uid-2",)}
+    assert {path: client.objects[path]["metadata"]["uid"] for path in pods} == uids  # kept, not recreated
+    assert sum(e["reason"] == "Adopted" for e in client.events) == 4
+    assert group_phase(client) == "Ready"
+
+
+def test_only_pods_no_controller_owns_are_orphans() -> None:
+    from tessera_operator.observe import is_orphan
+
+    pod = builders.build_group(builders.ClusterRef("demo", "ns", "u"), spec_of(), "r", 0)[0]
+    assert not is_orphan(pod, "demo")  # its cluster's
+    pod["metadata"]["ownerReferences"] = [{"uid": "someone-else", "controller": False}]
+    assert is_orphan(pod, "demo") and not is_orphan(pod, "other")
+    pod["metadata"]["ownerReferences"][0]["controller"] = True
+    assert not is_orphan(pod, "demo")

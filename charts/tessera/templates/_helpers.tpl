@@ -59,8 +59,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* What the operator does: watch its resources, own pods and Services, report status and Events,
-and set replicas through the scale subresource when a cluster autoscales (as the HPA would). */}}
+{{/* What the operator does: watch its resources, own pods and Services (adopting the pods an
+orphaning delete left: patch), report status and Events, and set replicas through the scale
+subresource when a cluster autoscales (as the HPA would). */}}
 {{- define "tessera.rules" -}}
 - apiGroups: ["tessera.dev"]
   resources: ["inferenceclusters"]
@@ -73,7 +74,7 @@ and set replicas through the scale subresource when a cluster autoscales (as the
   verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["list", "watch", "create", "update", "delete"]
