@@ -10,7 +10,8 @@ With `--webhook-managed NAME` the operator keeps the ValidatingWebhookConfigurat
 current (its URL and CA change with the serving certificate). kopf's own managed mode first
 *creates* the configuration, a right RBAC cannot limit to one name (it would let the operator
 register webhooks that receive any object, Secrets included); here the chart creates it and
-the operator only patches that one object (`resourceNames`). Without the object it tries to
+the operator only patches that one object (`resourceNames`), again every minute (a configuration
+replaced or recreated meanwhile gets its webhooks back). Without the object it tries to
 create it (dev setups with broad rights) and otherwise logs why no webhook is registered.
 """
 
@@ -39,6 +40,8 @@ from tessera_operator.validation import validate_object
 log = logging.getLogger("tessera_operator.webhook")
 HANDLER_ID = "tessera-validate"  # also the URL path the API server calls
 WEBHOOK_NAME = "validate.inferenceclusters.tessera.dev"
+# How often the managed configuration is written again (see ManagedWebhookServer.keep_current).
+REASSERT_SECONDS = 60.0
 OPERATIONS: tuple[Literal["CREATE"], Literal["UPDATE"]] = ("CREATE", "UPDATE")
 CONFIGURATIONS = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations"
 GENERATED_SUFFIX = "x" * 5  # the API server appends 5 characters to a generateName
@@ -154,9 +157,11 @@ class ManagedWebhookServer:
         self.client = client
         self.service, self.failure_policy = service, failure_policy
         self.namespace_selector = namespace_selector
+        self.failing = False  # the last write was refused
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         registered = False
+        keeper: asyncio.Task[None] | None = None
         try:
             async with self.server:
                 async for client_config in self.server(fn):
@@ -164,13 +169,26 @@ class ManagedWebhookServer:
                         dict(client_config), self.service, self.failure_policy, self.namespace_selector
                     )
                     registered = await self.write(hooks) or registered
+                    if keeper is not None:
+                        keeper.cancel()
+                    keeper = asyncio.create_task(self.keep_current(hooks))
                     yield client_config
         finally:
+            if keeper is not None:
+                keeper.cancel()
             if registered:  # like kopf: no webhook left behind without its server
                 with contextlib.suppress(Exception):
                     await self.write([])
 
-    async def write(self, hooks: list[dict[str, Any]]) -> bool:
+    async def keep_current(self, hooks: list[dict[str, Any]]) -> None:
+        """Writes the webhooks again every REASSERT_SECONDS: a configuration replaced or recreated
+        while the operator runs (Argo CD's Replace=true, a chart applied again) would otherwise stay
+        without them, and admission silently off. An unchanged write changes nothing."""
+        while True:
+            await asyncio.sleep(REASSERT_SECONDS)
+            await self.write(hooks, again=True)
+
+    async def write(self, hooks: list[dict[str, Any]], again: bool = False) -> bool:
         path = f"{CONFIGURATIONS}/{self.configuration}"
         try:
             try:
@@ -183,14 +201,18 @@ class ManagedWebhookServer:
                 body = {"metadata": {"name": self.configuration}, "webhooks": hooks}
                 await self.client.create(CONFIGURATIONS, body)
         except ApiError as exc:
-            log.error(
-                "cannot write ValidatingWebhookConfiguration %s (%s): no admission webhook; "
-                "the reconciler still refuses invalid specs",
-                self.configuration,
-                exc,
-            )
+            if not self.failing:  # said once, not at every write again
+                log.error(
+                    "cannot write ValidatingWebhookConfiguration %s (%s): no admission webhook; "
+                    "the reconciler still refuses invalid specs",
+                    self.configuration,
+                    exc,
+                )
+            self.failing = True
             return False
-        log.info("ValidatingWebhookConfiguration %s: %d webhook(s)", self.configuration, len(hooks))
+        if not again or self.failing:
+            log.info("ValidatingWebhookConfiguration %s: %d webhook(s)", self.configuration, len(hooks))
+        self.failing = False
         return True
 
 

@@ -1,3 +1,4 @@
+import asyncio
 import copy
 from typing import Any
 
@@ -166,6 +167,35 @@ def test_the_managed_configuration_carries_the_namespace_selector() -> None:
     assert hook["namespaceSelector"] == selector and hook["failurePolicy"] == "Ignore"
     [unscoped] = webhook.webhooks({"url": "https://op:9443"})
     assert "namespaceSelector" not in unscoped
+
+
+async def test_the_managed_configuration_is_written_again_while_the_operator_runs(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Replaced or recreated meanwhile (Argo CD's Replace=true), it would stay without webhooks."""
+    monkeypatch.setattr(webhook, "REASSERT_SECONDS", 0.01)
+    caplog.set_level("INFO", logger=webhook.log.name)
+    answers: list[Exception | None] = [None, webhook.ApiError(403, {"message": "no"}), None, None]
+    writes: list[dict[str, Any]] = []
+
+    class Client:
+        async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            writes.append(body)
+            answer = answers.pop(0) if answers else None
+            if answer is not None:
+                raise answer
+            return body
+
+    hooks = webhook.webhooks({"url": "https://op:9443"})
+    server = webhook.ManagedWebhookServer(None, "cfg", Client())  # type: ignore[arg-type]
+    keeper = asyncio.create_task(server.keep_current(hooks))
+    while len(writes) < 5:
+        await asyncio.sleep(0.01)
+    keeper.cancel()
+    assert all(body == {"webhooks": hooks} for body in writes)
+    # A refused write is logged once, its recovery once, the unchanged writes not at all.
+    messages = [r.getMessage() for r in caplog.records if "ValidatingWebhookConfiguration" in r.getMessage()]
+    assert len(messages) == 2 and "cannot write" in messages[0] and "1 webhook(s)" in messages[1]
 
 
 def test_a_long_service_name_still_gets_a_certificate(tmp_path: Any) -> None:
