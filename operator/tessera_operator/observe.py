@@ -158,15 +158,32 @@ def controlled_by(pod: dict[str, Any], uid: str) -> bool:
 
 
 def is_orphan(pod: dict[str, Any], cluster: str) -> bool:
-    """A pod with this cluster's labels that no controller owns: what `kubectl delete ic NAME
-    --cascade=orphan` leaves for the next InferenceCluster of that name to adopt."""
+    """A rank pod of this cluster, by its labels and its very name, that no controller owns: what
+    `kubectl delete ic NAME --cascade=orphan` leaves for the next InferenceCluster of that name to
+    adopt. Any other pod that carries the labels (a client, a debug copy) is left alone."""
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
     if meta.get("deletionTimestamp") or labels.get(naming.CLUSTER_LABEL) != cluster:
         return False
     if any(o.get("controller") is True for o in meta.get("ownerReferences") or []):
         return False
-    return all(labels.get(key) == value for key, value in naming.MANAGED_BY.items())
+    if any(labels.get(key) != value for key, value in naming.MANAGED_BY.items()):
+        return False
+    return rank_of(pod, cluster) is not None
+
+
+def rank_of(pod: dict[str, Any], cluster: str) -> tuple[int, int, int] | None:
+    """(group, stage, tp rank) of a pod whose labels say so and whose name is the one the cluster
+    gives that rank; None for any other pod."""
+    meta = pod["metadata"]
+    labels = meta.get("labels") or {}
+    try:
+        group = int(labels[naming.GROUP_LABEL])
+        stage = int(labels[naming.STAGE_LABEL])
+        tp = int(labels[naming.TP_RANK_LABEL])
+    except (KeyError, ValueError):
+        return None
+    return (group, stage, tp) if meta["name"] == naming.pod_name(cluster, group, stage, tp) else None
 
 
 def observe(cluster: str, uid: str, pods: Iterable[dict[str, Any]]) -> Observation:
@@ -176,18 +193,11 @@ def observe(cluster: str, uid: str, pods: Iterable[dict[str, Any]]) -> Observati
         if not controlled_by(pod, uid):
             continue  # not ours to count or delete, whatever its labels say
         meta = pod["metadata"]
-        labels = meta.get("labels") or {}
-        try:
-            group = int(labels[naming.GROUP_LABEL])
-            stage = int(labels[naming.STAGE_LABEL])
-            tp = int(labels[naming.TP_RANK_LABEL])
-        except (KeyError, ValueError):
+        rank = rank_of(pod, cluster)
+        if rank is None:
             strays.append(meta["name"])
             continue
-        if meta["name"] != naming.pod_name(cluster, group, stage, tp):
-            strays.append(meta["name"])
-            continue
-        obs = groups.setdefault(group, GroupObservation(group))
+        obs = groups.setdefault(rank[0], GroupObservation(rank[0]))
         if meta.get("deletionTimestamp"):
             obs.terminating.append(meta["name"])
             deadline = from_rfc3339(meta["deletionTimestamp"])

@@ -259,6 +259,32 @@ def test_operator_restart_creates_no_duplicates_and_removes_strays(crds: Any, k8
     assert after == before
 
 
+def test_pods_an_orphaning_delete_left_are_adopted_not_replaced(crds: Any, k8s_namespace: str) -> None:
+    """`kubectl delete ic --cascade=orphan`, then the same manifest again: the running ranks are
+    taken over (an ownerReference to the new object), none is recreated."""
+    cluster, ns = crds, k8s_namespace
+    with FakeKubelet(cluster, ns), running_operator(cluster, ns):
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=1)
+        wait_for(lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 1, "ready")
+        before = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)}
+        cluster.kubectl("delete", "ic", "smollm2", "-n", ns, "--cascade=orphan")
+        wait_for(lambda: not any(p["metadata"].get("ownerReferences") for p in pods(cluster, ns)), "orphaned")
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=1)
+        uid = ic(cluster, ns, "smollm2")["metadata"]["uid"]
+
+        def adopted() -> bool:
+            owners = [
+                [o["uid"] for o in p["metadata"].get("ownerReferences") or []] for p in pods(cluster, ns)
+            ]
+            return len(owners) == 4 and all(o == [uid] for o in owners)
+
+        wait_for(adopted, "pods adopted")
+        wait_for(
+            lambda: ic(cluster, ns, "smollm2").get("status", {}).get("readyReplicas") == 1, "ready again"
+        )
+        assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods(cluster, ns)} == before
+
+
 def test_deleting_the_cluster_garbage_collects_everything(crds: Any, k8s_namespace: str) -> None:
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns):

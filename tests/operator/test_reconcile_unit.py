@@ -388,5 +388,7 @@ def test_only_pods_no_controller_owns_are_orphans() -> None:
     assert not is_orphan(pod, "demo")  # its cluster's
     pod["metadata"]["ownerReferences"] = [{"uid": "someone-else", "controller": False}]
     assert is_orphan(pod, "demo") and not is_orphan(pod, "other")
+    copy_of_it = {**pod, "metadata": {**pod["metadata"], "name": "demo-g0-s0-t0-debug"}}
+    assert not is_orphan(copy_of_it, "demo")  # a name the cluster never gives: someone else's
     pod["metadata"]["ownerReferences"][0]["controller"] = True
     assert not is_orphan(pod, "demo")
