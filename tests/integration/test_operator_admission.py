@@ -53,6 +53,15 @@ def test_schema_rejects_types_and_ranges(
     assert result.returncode != 0 and field in result.stderr, result.stderr
 
 
+def test_kv_cache_memory_takes_any_quantity_as_kubernetes_does(crds: Any, k8s_namespace: str) -> None:
+    # A plain number of bytes (int-or-string) and Kubernetes' own spellings, all past the schema.
+    for value in (1073741824, "1e+9", ".5Gi", "2Gi", "1500M"):
+        crds.kubectl(
+            "apply", "--dry-run=server", "-n", k8s_namespace, "-f", "-",
+            input=manifest(engine={"kvCacheMemory": value}),
+        )  # fmt: skip
+
+
 def test_examples_pass_server_side_validation(crds: Any, k8s_namespace: str) -> None:
     for example in ("smollm2.yaml", "llama-70b-gpu.yaml", "networkpolicy.yaml"):
         crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(ROOT / "examples" / example))

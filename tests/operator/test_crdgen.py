@@ -47,6 +47,8 @@ def test_schema_is_structural() -> None:
         "x-kubernetes-preserve-unknown-fields": True,
     }
     assert "default" not in spec["properties"]["autoscaling"]  # absent means off
+    kv = spec["properties"]["engine"]["properties"]["kvCacheMemory"]
+    assert kv["x-kubernetes-int-or-string"] is True and "type" not in kv and kv["minimum"] == 0
     target = spec["properties"]["autoscaling"]["properties"]["targetQueueDepth"]
     assert target["minimum"] == 0 and target["exclusiveMinimum"] is True
 

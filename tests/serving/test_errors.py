@@ -201,3 +201,19 @@ def test_an_invalid_field_is_named_as_the_request_spells_it(loc: tuple[Any, ...]
     from tessera.entrypoints.api_server import param_of
 
     assert param_of(loc) == param
+
+
+def test_only_an_allowed_web_origin_gets_cors_answers_and_the_key_is_still_needed(
+    server: ServerProcess,
+) -> None:
+    from tests.serving.conftest import ALLOWED_ORIGIN
+
+    url = f"{server.base_url}/v1/chat/completions"
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    allowed = httpx.options(url, headers={"Origin": ALLOWED_ORIGIN, **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    refused = httpx.options(url, headers={"Origin": "https://evil.example", **preflight})
+    assert "access-control-allow-origin" not in refused.headers
+    keyless = httpx.post(url, json={"messages": USER}, headers={"Origin": ALLOWED_ORIGIN})
+    assert keyless.status_code == 401 and keyless.headers["access-control-allow-origin"] == ALLOWED_ORIGIN

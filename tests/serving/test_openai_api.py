@@ -19,8 +19,11 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=60)
 
 
-def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+def test_models_lists_the_served_name_and_retrieves_it(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_completion_and_its_stream_agree(client: openai.OpenAI) -> None:

@@ -15,7 +15,7 @@ import hmac
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -86,7 +87,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
+def build_app(
+    ctx: ServingContext, api_key: str | None = None, allowed_origins: Sequence[str] = ()
+) -> FastAPI:
     engine = ctx.engine
 
     @asynccontextmanager
@@ -142,6 +145,12 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
                     return error_response("invalid or missing API key", HTTPStatus.UNAUTHORIZED)
             return await call_next(request)
 
+    # Added last, so it runs first: a browser's preflight (which carries no key) is answered here.
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         problem = engine.health_problem()
@@ -153,14 +162,16 @@ def build_app(ctx: ServingContext, api_key: str | None = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=str(engine.config.model), max_model_len=engine.max_model_len)
-                for name in ctx.served_model_names
-            ]
-        )
+        return ModelList(data=[model_card(name) for name in ctx.served_model_names])
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=_ERROR_RESPONSES)
+    async def model(model: str) -> ModelCard:  # the SDK's client.models.retrieve(name)
+        return model_card(ctx.check_model(model))
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
     async def completions(body: CompletionRequest, raw_request: Request) -> Any:
@@ -204,7 +215,7 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
     engine = AsyncLLM(config, served_model_name=names[0])
     ctx = ServingContext(engine, names, args.max_waiting_requests, ServingLimits.from_args(args))
-    app = build_app(ctx, api_key)
+    app = build_app(ctx, api_key, args.allowed_origins)
     server = DrainingServer(
         engine,
         uvicorn.Config(

@@ -23,6 +23,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--api-key", default=None, help="require this bearer key (or set TESSERA_API_KEY)")
     parser.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help="web origins whose browser pages may call the API (CORS), e.g. https://chat.example.com or * "
+        "(default: none, as a browser then refuses cross-origin calls)",
+    )
+    parser.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
