@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from tessera_operator.quantity import MAX_LENGTH as MAX_QUANTITY_LENGTH
+from tessera_operator.quantity import QUANTITY_PATTERN
+
 GROUP = "tessera.dev"
 VERSION = "v1alpha1"
 KIND = "InferenceCluster"
@@ -21,8 +24,6 @@ SHORT_NAMES = ["ic"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
 QUEUE_DEPTH_METRIC = "tessera:num_requests_waiting"
-# A Kubernetes resource quantity (e.g. 2Gi, 512Mi, 1e9, 1500000000).
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?([eE][0-9]+|[KMGTPE]i?|k|m)?$"
 # Caps that keep one object from asking for unbounded work; the operator's own cap on pods
 # per cluster (replicas x tensor x pipeline, see podpolicy.py) is checked by the webhook and
 # the reconciler, which can multiply.
@@ -116,11 +117,14 @@ class EngineSpec(Wire):
         default=2048, ge=1, le=MAX_TOKENS, description="Token budget per scheduler step."
     )
     block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV cache block.")
-    kv_cache_memory: str | None = Field(
+    # A resource quantity, a string or a plain number of bytes, as Kubernetes' own quantities take.
+    kv_cache_memory: (
+        Annotated[int, Field(ge=0)]
+        | Annotated[str, Field(max_length=MAX_QUANTITY_LENGTH, pattern=QUANTITY_PATTERN)]
+        | None
+    ) = Field(
         default=None,
-        max_length=64,
-        pattern=QUANTITY_PATTERN,
-        description="KV cache size per rank as a resource quantity (e.g. 2Gi); default: the engine's.",
+        description="KV cache size per rank as a resource quantity (e.g. 2Gi, or bytes); default: the engine's.",
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prefixes.")
     enable_chunked_prefill: bool = Field(default=True, description="Split long prompts across steps.")

@@ -29,6 +29,12 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         return structural(merged, defs)
     if "anyOf" in node:
         branches = [b for b in node["anyOf"] if b.get("type") != "null"]
+        if sorted(b.get("type", "") for b in branches) == ["integer", "string"]:
+            # Kubernetes' int-or-string, as its own quantities: each validation applies to the
+            # values of its kind (pattern and maxLength to strings, minimum to integers).
+            merged = {k: v for branch in branches for k, v in branch.items() if k != "type"}
+            rest = {k: v for k, v in node.items() if k != "anyOf"}
+            return structural({**merged, **rest, "x-kubernetes-int-or-string": True}, defs)
         if len(branches) != 1:
             raise ValueError(f"cannot express a union as a structural schema: {node}")
         outer = {k: v for k, v in node.items() if k != "anyOf"}

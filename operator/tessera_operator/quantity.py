@@ -12,9 +12,10 @@ from decimal import Decimal, InvalidOperation
 
 MAX_INT64 = 2**63 - 1
 MAX_LENGTH = 64  # longer strings are rejected before parsing: nothing real needs more
-_QUANTITY_RE = re.compile(
-    r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"
-)
+# Kubernetes' quantity grammar (sign, number, one suffix: binary SI, decimal SI or an exponent),
+# also the CRD's pattern for quantity fields (Go's RE2 reads it as Python does).
+QUANTITY_PATTERN = r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))([eE][+-]?[0-9]+|[KMGTPE]i|[numkMGTPE])?$"
+_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
 _BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 
