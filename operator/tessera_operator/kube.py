@@ -13,6 +13,7 @@ import json
 import ssl
 import time
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import aiohttp
 
 SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 RETRYABLE = {429, 500, 502, 503, 504}
+USER_AGENT = f"tessera-operator/{version('tessera')}"
 
 
 class ApiError(Exception):
@@ -78,7 +80,11 @@ class KubeClient:
         if self._token_file is not None and time.monotonic() - self._token_read > 60:
             self._token = self._token_file.read_text().strip()
             self._token_read = time.monotonic()
-        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        # The API server names this client's writes in managedFields (and audit logs) after it.
+        headers = {"User-Agent": USER_AGENT}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        return headers
 
     async def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

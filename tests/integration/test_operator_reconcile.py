@@ -56,6 +56,9 @@ def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_na
         assert env["TESSERA_SEQUENCE_PARALLEL"] == "true" and env["PYTHONHASHSEED"] == "0"
         [owner] = worker["metadata"]["ownerReferences"]
         assert owner["uid"] == obj["metadata"]["uid"] and owner["controller"] is True
+        # Its writes carry its name (managedFields, audit logs), not its HTTP library's.
+        creators = {m["manager"] for m in worker["metadata"]["managedFields"] if m["operation"] == "Update"}
+        assert creators == {"tessera-operator"}
         leader = by_name["smollm2-g0-s0-t0"]
         assert leader["spec"]["containers"][0]["command"] == ["tessera", "serve"]
         assert leader["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
