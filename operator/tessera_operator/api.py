@@ -339,6 +339,17 @@ class Condition(Wire):
     observed_generation: int | None = Field(default=None, description="Generation the condition is about.")
 
 
+# A new object's status until the operator writes one (the CRD's default for `status`): with no
+# condition at all, kstatus (Flux's health checks, kpt) would read it as Current at once, even
+# with no operator running.
+AWAITING_OPERATOR = Condition(
+    type="Reconciling",
+    status="True",
+    reason="AwaitingOperator",
+    message="the operator has not reconciled this object yet",
+)
+
+
 class AutoscalingStatus(Wire):
     queue_depth: float | None = Field(
         default=None, description="Requests waiting at the Ready leaders at the last sample."

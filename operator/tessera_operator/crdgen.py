@@ -107,6 +107,7 @@ def build_crd() -> dict[str, Any]:
     )
     status_schema = model_schema(api.InferenceClusterStatus)
     status_schema["description"] = "Observed state, written by the operator."
+    status_schema["default"] = {"conditions": [api.AWAITING_OPERATOR.wire()]}
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

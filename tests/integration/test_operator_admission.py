@@ -62,6 +62,21 @@ def test_kv_cache_memory_takes_any_quantity_as_kubernetes_does(crds: Any, k8s_na
         )  # fmt: skip
 
 
+def test_a_new_object_reads_as_reconciling_until_an_operator_writes_its_status(
+    crds: Any, k8s_namespace: str
+) -> None:
+    # No operator runs here: kstatus (Flux's `wait: true`, kpt) must not read the object as Current.
+    crds.kubectl("apply", "-n", k8s_namespace, "-f", "-", input=manifest())
+    status = kjson(crds, "get", "ic", "bad", "-n", k8s_namespace)["status"]
+    [condition] = status["conditions"]
+    assert (condition["type"], condition["status"], condition["reason"]) == (
+        "Reconciling",
+        "True",
+        "AwaitingOperator",
+    )
+    assert "observedGeneration" not in status
+
+
 def test_examples_pass_server_side_validation(crds: Any, k8s_namespace: str) -> None:
     for example in ("smollm2.yaml", "llama-70b-gpu.yaml", "networkpolicy.yaml"):
         crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(ROOT / "examples" / example))
