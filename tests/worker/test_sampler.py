@@ -277,3 +277,16 @@ def test_seeded_rows_follow_the_distribution() -> None:
     counts = torch.bincount(drawn, minlength=4).float()
     assert chi_square(counts, probs) < CHI2_3DOF_999
     assert math.isclose(float(counts.sum()), draws)
+
+
+def test_seeds_that_differ_only_above_32_bits_draw_differently_and_small_seeds_are_kept() -> None:
+    from tessera.worker.model_runner import generator_seed
+
+    cpu = torch.device("cpu")
+    assert [generator_seed(s, cpu) for s in (0, 5, 2**32 - 1)] == [0, 5, 2**32 - 1]
+
+    def draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=torch.Generator().manual_seed(generator_seed(seed, cpu))).tolist()
+
+    assert draws(1) != draws(2**32 + 1)  # torch's CPU generator alone keeps only the low 32 bits
+    assert draws(2**40) != draws(2**41)

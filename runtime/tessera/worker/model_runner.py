@@ -56,6 +56,16 @@ class CachedRequestState:
         return self.token_ids[self.num_prompt_tokens :]
 
 
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The seed a request's generator takes. The CPU generator (mt19937) keeps only the low 32
+    bits, so seeds that differ above them would draw alike: the high half is folded in. Seeds
+    below 2**32 are unchanged, and CUDA's generator (Philox) keeps all 64 bits."""
+    if device.type == "cuda":
+        return seed
+    unsigned = seed & 0xFFFF_FFFF_FFFF_FFFF  # as torch reads a negative seed
+    return (unsigned ^ (unsigned >> 32)) & 0xFFFF_FFFF
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -172,7 +182,7 @@ class ModelRunner:
         if generator is None and new.sampling_params.seed is not None:
             generator = torch.Generator(device=self.device)
             try:
-                generator.manual_seed(new.sampling_params.seed)
+                generator.manual_seed(generator_seed(new.sampling_params.seed, self.device))
             except (RuntimeError, OverflowError, ValueError) as error:
                 raise ValueError("seed is out of range") from error
         return CachedRequestState(
