@@ -112,6 +112,9 @@ def decide(
     spec: AutoscalingSpec, current: int, sample: QueueSample, history: History, now: float
 ) -> Decision:
     """The replicas to set now; `history` records this recommendation."""
+    if current == 0:  # parked by hand (`kubectl scale --replicas=0`): as the HPA, leave it so
+        history.last_sample = now
+        return Decision(0, 0, "scaled to zero: autoscaling waits until replicas are set again")
     wanted, reason = recommend(spec, current, sample)
     bounded = min(max(wanted, spec.min_replicas), spec.max_replicas)
     stabilized = history.record(now, bounded, spec.scale_down_stabilization_seconds)

@@ -18,6 +18,10 @@ from tessera_operator.timeutil import from_rfc3339
 
 GROUP_SIZE_ANNOTATION = "tessera.dev/group-size"
 POD_DELETED = "PodDeleted"  # a started group misses pods: someone removed them
+POD_EVICTED = "PodEvicted"  # the kubelet took a pod off its node (memory pressure, shutdown)
+# Failed pods' reasons that are the node's doing, not the rank's: node-pressure eviction, critical
+# pod preemption, graceful node shutdown (its reason differs across Kubernetes versions).
+NODE_REASONS = frozenset({"Evicted", "Preempting", "Shutdown", "NodeShutdown", "Terminated"})
 
 
 @dataclass
@@ -127,12 +131,14 @@ def start_problem(pod: dict[str, Any]) -> str | None:
 
 def is_disruption(failure: str) -> bool:
     """A rank removed from outside (evicted by a drain, preempted, deleted), not one that failed."""
-    return failure.startswith(POD_DELETED)
+    return failure.startswith(POD_DELETED) or failure.partition(": ")[2].startswith(POD_EVICTED)
 
 
 def pod_failure(pod: dict[str, Any]) -> str | None:
     status = pod.get("status", {})
     phase = status.get("phase")
+    if phase == "Failed" and status.get("reason") in NODE_REASONS:  # its containers were killed too
+        return f"{POD_EVICTED}: {status['reason']}: {(status.get('message') or '')[:300]}"
     for cs in status.get("containerStatuses") or []:
         terminated = (cs.get("state") or {}).get("terminated")
         if terminated and terminated.get("exitCode", 0) != 0:

@@ -119,6 +119,17 @@ def _plan_group(
 ) -> GroupStatus:
     index = obs.index
     size = spec.parallelism.tensor * spec.parallelism.pipeline  # `pods` counts what exists after this pass
+    if status.phase == "BackingOff" and status.revision != revision:
+        # The spec changed while the group waited out a crash backoff (a fix, or a rollback):
+        # the new revision starts now, with none of the old one's failure history.
+        status = status.model_copy(
+            update={
+                "restarts": 0,
+                "failing_since": None,
+                "backoff_seconds": 0.0,
+                "next_restart_time": to_rfc3339(now),
+            }
+        )
     if status.phase == "BackingOff":
         wait = seconds_until_restart(status, now)
         if wait > 0 or obs.pods or obs.terminating:
@@ -129,13 +140,12 @@ def _plan_group(
                 await_deletion(obs, now, result)
             return status.model_copy(update={"pods": len(obs.pods), "ready": False})
         result.create_groups.append(index)
-        result.events.append(
-            Event(
-                "Normal",
-                "GroupRestarted",
-                f"recreating group {index} after {status.backoff_seconds:g}s backoff (restart {status.restarts})",
-            )
+        why = (
+            f"after {status.backoff_seconds:g}s backoff (restart {status.restarts})"
+            if status.restarts
+            else f"at revision {revision}, without the backoff of the one before"
         )
+        result.events.append(Event("Normal", "GroupRestarted", f"recreating group {index} {why}"))
         return status.model_copy(
             update={"phase": "Pending", "revision": revision, "pods": size, "next_restart_time": None}
         )

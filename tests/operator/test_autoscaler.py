@@ -56,6 +56,14 @@ def test_scale_up_asks_for_enough_groups_for_the_target_and_is_immediate() -> No
     assert "20 requests waiting at 1 Ready group(s)" in decision.reason
 
 
+def test_a_cluster_parked_at_zero_stays_there() -> None:
+    # `kubectl scale --replicas=0`: no leader to measure, and minReplicas must not undo it (the HPA's rule).
+    decision = decide(
+        spec(minReplicas=1), 0, QueueSample(waiting=0, measured=0, unmeasured=0), History(), 1.0
+    )
+    assert decision.desired == 0 and "scaled to zero" in decision.reason
+
+
 def test_scale_up_at_most_doubles_or_adds_four_and_stops_at_max_replicas() -> None:
     sample = QueueSample(waiting=400, measured=1, unmeasured=0)
     assert decide(spec(targetQueueDepth=1, maxReplicas=256), 1, sample, History(), 0.0).desired == 5

@@ -106,8 +106,17 @@ def test_an_evicted_rank_restarts_its_group_at_once_and_repeated_drains_grow_no_
     recreates the group without waiting, and the restart count that drives backoff stays."""
     sim = Sim(spec_of(restartPolicy={"backoffBaseSeconds": 30, "backoffMaxSeconds": 300}))
     sim.converge()
-    for _ in range(3):
-        del sim.pods["demo-g0-s1-t1"]
+    for round_ in range(4):
+        if round_ == 3:  # the kubelet's own eviction (memory pressure): its containers were killed
+            killed = {"name": "rank", "state": {"terminated": {"exitCode": 137, "reason": "Error"}}}
+            sim.pods["demo-g0-s1-t1"]["status"] = {
+                "phase": "Failed",
+                "reason": "Evicted",
+                "message": "The node was low on resource: memory.",
+                "containerStatuses": [killed],
+            }
+        else:
+            del sim.pods["demo-g0-s1-t1"]
         decision = sim.step()
         group = sim.status.groups[0]
         assert group.phase == "BackingOff" and group.restarts == 0 and group.backoff_seconds == 0
@@ -303,3 +312,35 @@ def test_a_group_that_keeps_failing_stalls_the_cluster_past_the_deadline_until_i
     assert sim.condition("Stalled").status == "False" and sim.condition("Degraded").status == "False"
     crash()  # a failure after a Ready run starts a new deadline
     assert sim.condition("Degraded").reason == "GroupRestarting"
+
+
+def test_a_fix_for_a_crash_looping_group_starts_at_once_without_its_failure_history() -> None:
+    """A spec changed while a group waits out a crash backoff (a fixed image, a rollback) is what
+    the person was asked for: the new revision must not wait out the old one's backoff."""
+    sim = Sim(spec_of(restartPolicy={"backoffBaseSeconds": 100, "backoffMaxSeconds": 300}))
+    sim.converge()
+    for _ in range(3):
+        sim.fail("demo-g0-s0-t0")
+        sim.step()
+        sim.now += sim.status.groups[0].backoff_seconds or 0
+        sim.step()
+        sim.run_all(ready=False)
+    sim.fail("demo-g0-s0-t0")
+    sim.step()  # backing off for 300 s now
+    assert sim.status.groups[0].restarts == 4
+    sim.spec = spec_of(
+        restartPolicy={"backoffBaseSeconds": 100, "backoffMaxSeconds": 300}, template={"image": "fixed:2"}
+    )
+    sim.now += 1
+    decision = sim.step()
+    assert decision.create_groups == [0]
+    group = sim.status.groups[0]
+    assert (
+        group.revision == builders.revision_of(sim.spec)
+        and group.restarts == 0
+        and group.failing_since is None
+    )
+    sim.run_all(ready=False)
+    sim.fail("demo-g0-s0-t0")  # the new revision's own first failure: the base backoff
+    sim.step()
+    assert sim.status.groups[0].restarts == 1 and sim.status.groups[0].backoff_seconds == 100
