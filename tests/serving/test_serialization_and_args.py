@@ -123,3 +123,19 @@ def test_openai_requests_become_sampling_params() -> None:
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params(50).max_tokens
         == 50
     )
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_an_empty_api_key_refuses_to_start_rather_than_serve_an_open_api(
+    how: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from tessera.entrypoints.api_server import main
+
+    argv = ["no-model-needed", "--port", "0"]
+    if how == "flag":
+        argv += ["--api-key", ""]
+    else:
+        monkeypatch.setenv("TESSERA_API_KEY", "  ")
+    with pytest.raises(SystemExit) as exited:
+        main(argv)  # before any model is loaded
+    assert exited.value.code == 2 and "set but empty" in caplog.text

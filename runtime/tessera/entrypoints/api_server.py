@@ -210,9 +210,13 @@ def run_server(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TESSERA_API_KEY")
+    if api_key is not None and not api_key.strip():
+        # An empty Secret value would otherwise leave the API open without a word.
+        logger.error("the API key (--api-key or TESSERA_API_KEY) is set but empty: give one, or unset it")
+        return 2
     config = engine_config_from_args(args, args.model)
     names = args.served_model_name or [args.model]
-    api_key = args.api_key or os.environ.get("TESSERA_API_KEY") or None
     engine = AsyncLLM(config, served_model_name=names[0])
     ctx = ServingContext(engine, names, args.max_waiting_requests, ServingLimits.from_args(args))
     app = build_app(ctx, api_key, args.allowed_origins)
@@ -237,7 +241,14 @@ def run_server(args: argparse.Namespace) -> int:
         )
 
     engine.on_engine_dead(on_dead)
-    logger.info("serving %s as %s on http://%s:%d", args.model, ", ".join(names), args.host, args.port)
+    logger.info(
+        "serving %s as %s on http://%s:%d (API key %s)",
+        args.model,
+        ", ".join(names),
+        args.host,
+        args.port,
+        "required" if api_key else "not required",
+    )
     try:
         asyncio.run(server.serve())
     finally:
