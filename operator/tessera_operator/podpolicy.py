@@ -1,8 +1,9 @@
 """What an InferenceCluster may put into the pods the operator creates on its author's behalf.
 
 The operator holds `pods/create` wherever it serves, and whoever writes an InferenceCluster
-borrows that right. By default a spec cannot reach node files (hostPath), Secrets (env
-`secretKeyRef`, secret volumes), API credentials (a ServiceAccount of its choice, projected
+borrows that right. By default a spec cannot reach node files (hostPath, or any volume type
+outside the Pod Security Standards' restricted list), Secrets (env `secretKeyRef`, secret
+volumes, a CSI driver's secret), API credentials (a ServiceAccount of its choice, projected
 tokens), a PriorityClass that preempts other work, or annotations that lift the container's
 confinement; the operator's configuration opens the first four one by one. No spec may ask
 for more than `max_pods_per_cluster` pods.
@@ -23,6 +24,15 @@ CONFINEMENT_ANNOTATIONS = (
     "seccomp.security.alpha.kubernetes.io/",
     "container.seccomp.security.alpha.kubernetes.io/",
 )
+
+
+# Volume types a spec may always use: the Pod Security Standards' "restricted" profile (none
+# reaches the node or a remote server on the node's behalf: no nfs, iscsi, gitRepo, flexVolume,
+# ...), less `secret`, which the policy gates like hostPath.
+VOLUME_TYPES = frozenset(
+    {"emptyDir", "configMap", "downwardAPI", "projected", "persistentVolumeClaim", "ephemeral", "csi"}
+)
+PROJECTED_SOURCES = frozenset({"configMap", "downwardAPI", "secret", "serviceAccountToken"})
 
 
 @dataclass(frozen=True)
@@ -65,13 +75,32 @@ def _volume_errors(
 ) -> list[FieldError]:
     field = f"spec.template.volumes[{index}]"
     errors = []
+    for kind in sorted(volume.keys() - {"name"}):
+        if kind not in VOLUME_TYPES | {"hostPath", "secret"}:
+            errors.append(
+                FieldError(
+                    f"{field}.{kind}",
+                    f"a {kind} volume is not allowed: rank pods take {', '.join(sorted(VOLUME_TYPES))} "
+                    "volumes (and secret or hostPath where the operator's configuration allows them)",
+                )
+            )
     if "hostPath" in volume and not policy.allow_host_path:
         errors.append(FieldError(f"{field}.hostPath", _not_allowed("a hostPath volume", "--allow-host-path")))
     if "secret" in volume and not policy.allow_secrets:
         errors.append(FieldError(f"{field}.secret", _not_allowed("a secret volume", "--allow-secrets")))
+    csi = volume.get("csi")
+    if isinstance(csi, dict) and "nodePublishSecretRef" in csi and not policy.allow_secrets:
+        errors.append(
+            FieldError(
+                f"{field}.csi.nodePublishSecretRef",
+                _not_allowed("a Secret handed to a CSI driver", "--allow-secrets"),
+            )
+        )
     sources = (volume.get("projected") or {}).get("sources") or []
     for j, source in enumerate(sources if isinstance(sources, list) else []):
         where = f"{field}.projected.sources[{j}]"
+        for kind in sorted(source.keys() - PROJECTED_SOURCES if isinstance(source, dict) else ()):
+            errors.append(FieldError(f"{where}.{kind}", f"a projected {kind} source is not allowed"))
         if "secret" in source and not policy.allow_secrets:
             errors.append(
                 FieldError(f"{where}.secret", _not_allowed("a projected Secret", "--allow-secrets"))

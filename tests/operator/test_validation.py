@@ -105,6 +105,39 @@ TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path
         ({"template": {"serviceAccountName": "admin"}}, "spec.template.serviceAccountName"),
         ({"template": {"priorityClassName": "system-node-critical"}}, "spec.template.priorityClassName"),
         ({"template": {"volumes": [HOST_PATH]}}, "spec.template.volumes[0].hostPath"),
+        # Volume types outside the restricted profile: the node mounts or runs them for the author.
+        (
+            {"template": {"volumes": [{"name": "g", "gitRepo": {"repository": "https://x/y.git"}}]}},
+            "spec.template.volumes[0].gitRepo",
+        ),
+        (
+            {"template": {"volumes": [{"name": "n", "nfs": {"server": "10.0.0.1", "path": "/"}}]}},
+            "spec.template.volumes[0].nfs",
+        ),
+        (
+            {
+                "template": {
+                    "volumes": [{"name": "f", "flexVolume": {"driver": "x", "secretRef": {"name": "s"}}}]
+                }
+            },
+            "spec.template.volumes[0].flexVolume",
+        ),
+        (
+            {
+                "template": {
+                    "volumes": [{"name": "c", "csi": {"driver": "d", "nodePublishSecretRef": {"name": "s"}}}]
+                }
+            },
+            "spec.template.volumes[0].csi.nodePublishSecretRef",
+        ),
+        (
+            {
+                "template": {
+                    "volumes": [{"name": "p", "projected": {"sources": [{"clusterTrustBundle": {}}]}}]
+                }
+            },
+            "spec.template.volumes[0].projected.sources[0].clusterTrustBundle",
+        ),
         ({"template": {"env": [SECRET_ENV]}}, "spec.template.env[0].valueFrom.secretKeyRef"),
         (
             {"template": {"volumes": [{"name": "s", "secret": {"secretName": "s"}}]}},
@@ -147,6 +180,19 @@ def test_what_would_fail_or_escalate_in_the_pods_is_rejected_naming_the_field(
     changes: dict[str, object], field: str
 ) -> None:
     assert field in fields("demo", **changes)
+
+
+def test_the_restricted_profiles_volume_types_pass() -> None:
+    volumes = [
+        {"name": "e", "emptyDir": {}},
+        {"name": "c", "configMap": {"name": "cfg"}},
+        {"name": "d", "downwardAPI": {"items": []}},
+        {"name": "m", "persistentVolumeClaim": {"claimName": "models"}},
+        {"name": "x", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}},
+        {"name": "i", "csi": {"driver": "d"}},
+        {"name": "p", "projected": {"sources": [{"configMap": {"name": "cfg"}}, {"downwardAPI": {}}]}},
+    ]
+    assert fields("demo", template={"volumes": volumes}) == []
 
 
 def test_the_operators_configuration_opens_each_restriction() -> None:
