@@ -51,8 +51,13 @@ class ClusterRef:
 
 
 def revision_of(spec: InferenceClusterSpec) -> str:
-    """Stable hash of the pod-affecting spec: equal specs give equal revisions across restarts."""
-    wire = spec.wire()
+    """Stable hash of the pod-affecting spec: equal specs give equal revisions across restarts.
+
+    Only what the object sets counts, not the defaults: an operator release that adds a defaulted
+    field (or changes how pods are built) must not roll every cluster at once. Its pods reach
+    running clusters as their groups are recreated, or with the next change of their spec.
+    """
+    wire = spec.model_dump(by_alias=True, exclude_defaults=True, mode="json")
     relevant = {key: wire.get(key) for key in pod_affecting_keys()}
     digest = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
     return digest[:10]

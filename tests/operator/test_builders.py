@@ -150,6 +150,10 @@ def test_revision_changes_with_pod_affecting_fields_only() -> None:
     assert base != builders.revision_of(spec_of(template={"image": "other"}))
     assert base != builders.revision_of(spec_of(engine={"maxNumSeqs": 4}))
     assert base != builders.revision_of(spec_of(parallelism={"tensor": 1, "pipeline": 2}))
+    # Defaults count as unset: the API server writes the CRD's defaults into every object, and an
+    # operator release that adds a defaulted field must not roll every cluster (it once did).
+    explicit_defaults = {"engine": {"blockSize": 16}, "template": {"imagePullSecrets": [], "env": []}}
+    assert base == builders.revision_of(spec_of(**explicit_defaults))
 
 
 def test_services_headless_for_rendezvous_and_client_for_ready_leaders() -> None:
