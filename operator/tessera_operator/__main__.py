@@ -107,7 +107,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--allow-secret-env",
         action="store_true",
         default=policy.allow_secrets,
-        help="env valueFrom.secretKeyRef, secret and projected-secret volumes",
+        help="env valueFrom.secretKeyRef, secret and projected-secret volumes, of any Secret",
+    )
+    pods.add_argument(
+        "--allowed-secrets",
+        type=names,
+        default=policy.allowed_secrets,
+        metavar="A,B",
+        help="these Secrets only, in the same places (e.g. the API key's): the rest stay refused",
     )
     pods.add_argument(
         "--allowed-service-accounts",
@@ -159,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     CONFIG.pod_policy = PodPolicy(
         allow_host_path=args.allow_host_path,
         allow_secrets=args.allow_secrets,
+        allowed_secrets=frozenset(args.allowed_secrets),
         allowed_service_accounts=frozenset(args.allowed_service_accounts),
         allowed_priority_classes=frozenset(args.allowed_priority_classes),
         max_pods_per_cluster=args.max_pods_per_cluster,

@@ -44,6 +44,7 @@ def pod_policy_from_environment() -> PodPolicy:
     return PodPolicy(
         allow_host_path=_flag("TESSERA_OPERATOR_ALLOW_HOST_PATH"),
         allow_secrets=_flag("TESSERA_OPERATOR_ALLOW_SECRETS"),
+        allowed_secrets=names(os.environ.get("TESSERA_OPERATOR_ALLOWED_SECRETS", "")),
         allowed_service_accounts=names(os.environ.get("TESSERA_OPERATOR_ALLOWED_SERVICE_ACCOUNTS", "")),
         allowed_priority_classes=names(os.environ.get("TESSERA_OPERATOR_ALLOWED_PRIORITY_CLASSES", "")),
         max_pods_per_cluster=_int("TESSERA_OPERATOR_MAX_PODS_PER_CLUSTER", DEFAULT_MAX_PODS_PER_CLUSTER),

@@ -39,9 +39,22 @@ PROJECTED_SOURCES = frozenset({"configMap", "downwardAPI", "secret", "serviceAcc
 class PodPolicy:
     allow_host_path: bool = False
     allow_secrets: bool = False
+    allowed_secrets: frozenset[str] = frozenset()  # these Secrets by name, with allow_secrets off
+
+    def secret_allowed(self, name: object) -> bool:
+        return self.allow_secrets or name in self.allowed_secrets
+
     allowed_service_accounts: frozenset[str] = frozenset()
     allowed_priority_classes: frozenset[str] = frozenset()
     max_pods_per_cluster: int = DEFAULT_MAX_PODS_PER_CLUSTER
+
+
+SECRET_FLAGS = "--allowed-secrets NAME or --allow-secrets"
+
+
+def _secret_name(reference: object, key: str) -> object:
+    """The Secret a reference names (None when it names none: refused unless all are allowed)."""
+    return reference.get(key) if isinstance(reference, dict) else None
 
 
 def _not_allowed(what: str, flag: str) -> str:
@@ -86,14 +99,16 @@ def _volume_errors(
             )
     if "hostPath" in volume and not policy.allow_host_path:
         errors.append(FieldError(f"{field}.hostPath", _not_allowed("a hostPath volume", "--allow-host-path")))
-    if "secret" in volume and not policy.allow_secrets:
-        errors.append(FieldError(f"{field}.secret", _not_allowed("a secret volume", "--allow-secrets")))
-    csi = volume.get("csi")
-    if isinstance(csi, dict) and "nodePublishSecretRef" in csi and not policy.allow_secrets:
+    if "secret" in volume and not policy.secret_allowed(_secret_name(volume["secret"], "secretName")):
+        errors.append(FieldError(f"{field}.secret", _not_allowed("a secret volume", SECRET_FLAGS)))
+    csi = volume["csi"] if isinstance(volume.get("csi"), dict) else {}
+    if "nodePublishSecretRef" in csi and not policy.secret_allowed(
+        _secret_name(csi["nodePublishSecretRef"], "name")
+    ):
         errors.append(
             FieldError(
                 f"{field}.csi.nodePublishSecretRef",
-                _not_allowed("a Secret handed to a CSI driver", "--allow-secrets"),
+                _not_allowed("a Secret handed to a CSI driver", SECRET_FLAGS),
             )
         )
     sources = (volume.get("projected") or {}).get("sources") or []
@@ -101,10 +116,8 @@ def _volume_errors(
         where = f"{field}.projected.sources[{j}]"
         for kind in sorted(source.keys() - PROJECTED_SOURCES if isinstance(source, dict) else ()):
             errors.append(FieldError(f"{where}.{kind}", f"a projected {kind} source is not allowed"))
-        if "secret" in source and not policy.allow_secrets:
-            errors.append(
-                FieldError(f"{where}.secret", _not_allowed("a projected Secret", "--allow-secrets"))
-            )
+        if "secret" in source and not policy.secret_allowed(_secret_name(source["secret"], "name")):
+            errors.append(FieldError(f"{where}.secret", _not_allowed("a projected Secret", SECRET_FLAGS)))
         if "serviceAccountToken" in source and not token_allowed:
             errors.append(
                 FieldError(
@@ -136,11 +149,12 @@ def check_pod_policy(spec: InferenceClusterSpec, policy: PodPolicy) -> list[Fiel
             )
         )
     for i, var in enumerate(template.env):
-        if var.value_from and "secretKeyRef" in var.value_from and not policy.allow_secrets:
+        reference = (var.value_from or {}).get("secretKeyRef")
+        if reference is not None and not policy.secret_allowed(_secret_name(reference, "name")):
             errors.append(
                 FieldError(
                     f"spec.template.env[{i}].valueFrom.secretKeyRef",
-                    _not_allowed("an environment variable from a Secret", "--allow-secrets"),
+                    _not_allowed("an environment variable from this Secret", SECRET_FLAGS),
                 )
             )
     token_allowed = account is not None and account in policy.allowed_service_accounts

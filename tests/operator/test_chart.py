@@ -115,6 +115,7 @@ def test_pod_policy_values_become_operator_flags() -> None:
     opened = args(
         "podPolicy.allowHostPath=true",
         "podPolicy.allowSecrets=true",
+        "podPolicy.allowedSecrets={api-key}",
         "podPolicy.allowedServiceAccounts={inference,batch}",
         "podPolicy.allowedPriorityClasses={high}",
         "podPolicy.maxPodsPerCluster=4096",
@@ -125,6 +126,7 @@ def test_pod_policy_values_become_operator_flags() -> None:
     assert {"--allowed-priority-classes=high", "--max-pods-per-cluster=4096"} <= set(opened)
     parsed = parse_args([a for a in opened if a.startswith(("--allow", "--max-pods"))])
     assert parsed.allowed_service_accounts == {"inference", "batch"} and parsed.max_pods_per_cluster == 4096
+    assert parsed.allowed_secrets == {"api-key"}
 
 
 def refusal(*sets: str) -> str:

@@ -217,5 +217,28 @@ def test_the_operators_configuration_opens_each_restriction() -> None:
     assert validate_object("demo", spec, policy) == []
 
 
+def test_named_secrets_can_be_allowed_without_opening_every_secret() -> None:
+    """The API key's Secret, say: --allowed-secrets opens it where a spec can name a Secret."""
+
+    def spec_naming(secret: str) -> dict[str, object]:
+        env = {"name": "TESSERA_API_KEY", "valueFrom": {"secretKeyRef": {"name": secret, "key": "key"}}}
+        volumes = [
+            {"name": "v", "secret": {"secretName": secret}},
+            {"name": "p", "projected": {"sources": [{"secret": {"name": secret}}]}},
+            {"name": "c", "csi": {"driver": "d", "nodePublishSecretRef": {"name": secret}}},
+        ]
+        return {"model": {"source": "smollm2-135m-instruct"}, "template": {"env": [env], "volumes": volumes}}
+
+    policy = PodPolicy(allowed_secrets=frozenset({"api-key"}))
+    assert validate_object("demo", spec_naming("api-key"), policy) == []
+    refused = [e.field for e in validate_object("demo", spec_naming("db-password"), policy)]
+    assert refused == [
+        "spec.template.env[0].valueFrom.secretKeyRef",
+        "spec.template.volumes[0].secret",
+        "spec.template.volumes[1].projected.sources[0].secret",
+        "spec.template.volumes[2].csi.nodePublishSecretRef",
+    ]
+
+
 def test_the_largest_cluster_within_the_cap_passes() -> None:
     assert fields("demo", replicas=64, parallelism={"tensor": 8, "pipeline": 2}) == []  # 1,024 pods
