@@ -347,15 +347,16 @@ def build_client_service(ref: ClusterRef) -> dict[str, Any]:
 
 
 def build_disruption_budget(
-    ref: ClusterRef, spec: InferenceClusterSpec, api_version: str
+    ref: ClusterRef, spec: InferenceClusterSpec, api_version: str, surge_groups: int = 0
 ) -> dict[str, Any] | None:
     """A node drain evicts one rank pod of the cluster at a time, and the next only once every
     pod is Ready again: one evicted rank takes its whole group down (the group restarts), so this
-    takes groups down one by one while the others serve. None below two replicas: a drain must
-    always be able to proceed, and one group cannot stay up through it anyway."""
+    takes groups down one by one while the others serve. The surge groups of a rollout count too:
+    their pods are selected and healthy as soon as they run. None below two replicas: a drain
+    must always be able to proceed, and one group cannot stay up through it anyway."""
     if spec.replicas < 2 or not spec.disruption_budget.enabled:
         return None
-    pods = spec.replicas * spec.parallelism.tensor * spec.parallelism.pipeline
+    pods = (spec.replicas + surge_groups) * spec.parallelism.tensor * spec.parallelism.pipeline
     budget: dict[str, Any] = {
         # An integer minAvailable: the disruption controller counts the selected pods and needs
         # no scale subresource in pods (ours counts groups).

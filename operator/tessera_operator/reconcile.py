@@ -125,7 +125,7 @@ class Reconciler:
         writes = [
             *(self.create(core_path(namespace, "pods"), pod) for pod in to_create),
             self.ensure_services(ref, services),
-            self.ensure_disruption_budget(ref, spec),
+            self.ensure_disruption_budget(ref, spec, decision.surge),
             *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
         ]
         intent = previous
@@ -344,10 +344,12 @@ class Reconciler:
                 self._policy_version = "v1beta1"
         return self._policy_version
 
-    async def ensure_disruption_budget(self, ref: builders.ClusterRef, spec: InferenceClusterSpec) -> None:
+    async def ensure_disruption_budget(
+        self, ref: builders.ClusterRef, spec: InferenceClusterSpec, surge_groups: int
+    ) -> None:
         version = await self.policy_version()
         path = custom_path("policy", version, ref.namespace, "poddisruptionbudgets")
-        desired = builders.build_disruption_budget(ref, spec, f"policy/{version}")
+        desired = builders.build_disruption_budget(ref, spec, f"policy/{version}", surge_groups)
         try:
             current = await self.client.get(f"{path}/{ref.name}")
         except ApiError as exc:

@@ -214,11 +214,11 @@ def test_the_user_may_point_the_cache_at_a_volume_of_their_own() -> None:
 
 
 def test_the_disruption_budget_lets_one_rank_go_at_a_time_and_only_with_two_groups() -> None:
-    def budget(replicas: int, version: str = "policy/v1") -> dict[str, Any] | None:
+    def budget(replicas: int, version: str = "policy/v1", surge: int = 0) -> dict[str, Any] | None:
         spec = InferenceClusterSpec.model_validate(
             {"model": {"source": "m"}, "parallelism": {"tensor": 2, "pipeline": 3}, "replicas": replicas}
         )
-        return builders.build_disruption_budget(REF, spec, version)
+        return builders.build_disruption_budget(REF, spec, version, surge)
 
     assert budget(0) is None and budget(1) is None  # a drain must always be able to proceed
     two = budget(2)
@@ -228,6 +228,10 @@ def test_the_disruption_budget_lets_one_rank_go_at_a_time_and_only_with_two_grou
     assert two["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     old = budget(2, "policy/v1beta1")
     assert old is not None and "unhealthyPodEvictionPolicy" not in old["spec"]
+    # A rollout's surge group is selected and healthy while it loads: it must not make room for
+    # a second eviction among the groups that serve.
+    surging = budget(2, surge=1)
+    assert surging is not None and surging["spec"]["minAvailable"] == 17
 
 
 def test_a_cluster_may_opt_out_of_the_disruption_budget_and_drift_ignores_dropped_fields() -> None:
