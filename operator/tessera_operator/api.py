@@ -322,6 +322,9 @@ class GroupStatus(Wire):
         default=None, description="Why its pods do not start (Unschedulable, ImagePullBackOff, ...)."
     )
     start_problem_since: str | None = Field(default=None, description="Since when they do not start.")
+    surge: bool | None = Field(
+        default=None, description="Created above spec.replicas for a rollout: removed once it is done."
+    )
     failing_since: str | None = Field(
         default=None,
         description="First failure of restarts with no Ready run between (past the progress deadline: Stalled).",

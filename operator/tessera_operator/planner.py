@@ -67,7 +67,11 @@ def plan(
     groups = observation.groups
 
     ordinal = [_state(i, groups.get(i), revision, prior.get(i)) for i in range(replicas)]
-    existing_surge = sorted(i for i, g in groups.items() if i >= replicas and g.pods)
+    # Only groups made as surge groups carry a rollout's load; one left above replicas by a
+    # scale-down is removed, or it would hold on to the capacity a pending group waits for.
+    existing_surge = [
+        i for i, g in groups.items() if i >= replicas and g.pods and _made_as_surge(prior.get(i))
+    ]
     result.surge = surge_count(replicas, spec.rollout.max_surge, ordinal, bool(existing_surge))
     desired = set(range(replicas + result.surge))
     surge = [
@@ -86,8 +90,15 @@ def plan(
             continue
         status = prior.get(index) or GroupStatus(index=index, revision=revision)
         planned = _plan_group(spec, revision, obs, status, index in replacements, now, result)
+        made_now = index in result.create_groups and not obs.pods
+        as_surge = index >= replicas and (made_now or _made_as_surge(status))
+        planned = planned.model_copy(update={"surge": True if as_surge else None})
         result.groups.append(_with_start_problem(spec, obs, planned, now, result))
     return result
+
+
+def _made_as_surge(status: GroupStatus | None) -> bool:
+    return status is not None and bool(status.surge)
 
 
 def _with_start_problem(

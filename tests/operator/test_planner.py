@@ -344,3 +344,30 @@ def test_a_fix_for_a_crash_looping_group_starts_at_once_without_its_failure_hist
     sim.fail("demo-g0-s0-t0")  # the new revision's own first failure: the base backoff
     sim.step()
     assert sim.status.groups[0].restarts == 1 and sim.status.groups[0].backoff_seconds == 100
+
+
+def test_a_scale_down_removes_the_highest_group_even_with_surge_allowed_and_a_group_pending() -> None:
+    """Scaling 3 -> 2 to free room for a group that cannot schedule: the third group is no
+    rollout's surge group, and keeping it would hold the room the pending group waits for."""
+    rollout = {"maxUnavailable": 1, "maxSurge": 1}
+    sim = Sim(spec_of(replicas=3, rollout=rollout))
+    sim.converge()
+    unschedulable = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "no room",
+    }
+    sim.fail("demo-g0-s0-t0")
+    sim.step()
+    sim.now += sim.status.groups[0].backoff_seconds or 0
+    sim.step()  # group 0 recreated; its pods now wait for room
+    for name in [n for n in sim.pods if n.startswith("demo-g0-")]:
+        sim.pods[name]["status"] = {"phase": "Pending", "conditions": [unschedulable]}
+    sim.step()
+    sim.spec = spec_of(replicas=2, rollout=rollout)
+    decision = sim.step()
+    assert sorted(n for n in decision.delete_pods if n.startswith("demo-g2-")) == [
+        f"demo-g2-s{s}-t{t}" for s in range(2) for t in range(2)
+    ]
+    assert set(sim.groups()) == {0, 1} and sim.last.surge == 0
