@@ -310,12 +310,30 @@ class Reconciler:
             path = core_path(ref.namespace, "services")
             if current is None:
                 await self.create(path, desired)
+                await self.check_service_is_ours(ref, name)
             elif service_drifted(current, desired):
                 try:
                     await self.repair_service(ref, current, desired)
                 except ApiError as exc:
                     if exc.status not in (404, 409):  # gone or changed meanwhile: look again next pass
                         raise refusal(FAILED_CREATE, f"repairing service {name}", exc) from exc
+
+    async def check_service_is_ours(self, ref: builders.ClusterRef, name: str) -> None:
+        """A Service of that name without the cluster's labels (someone else's) makes the create
+        fail with a conflict that `create` takes for our own: say so, rather than point
+        status.endpoint at another application."""
+        try:
+            service = await self.client.get(core_path(ref.namespace, "services", name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return  # gone meanwhile: the next pass creates it
+            raise
+        if not controlled_by(service, ref.uid):
+            raise WriteRefused(
+                FAILED_CREATE,
+                f"creating service {name}: a Service of that name exists and is not this cluster's; "
+                "rename or delete it",
+            )
 
     async def repair_service(
         self, ref: builders.ClusterRef, current: dict[str, Any], desired: dict[str, Any]

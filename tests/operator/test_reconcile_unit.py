@@ -392,3 +392,15 @@ def test_only_pods_no_controller_owns_are_orphans() -> None:
     assert not is_orphan(copy_of_it, "demo")  # a name the cluster never gives: someone else's
     pod["metadata"]["ownerReferences"][0]["controller"] = True
     assert not is_orphan(pod, "demo")
+
+
+async def test_another_applications_service_under_the_clusters_name_is_reported_not_taken() -> None:
+    client = fake_with_cluster()
+    client.objects["/api/v1/namespaces/ns/services/demo"] = {
+        "metadata": {"name": "demo", "namespace": "ns", "uid": "theirs"},
+        "spec": {"selector": {"app": "web"}},
+    }
+    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    assert degraded(client)["reason"] == "FailedCreate"
+    assert "a Service of that name exists and is not this cluster's" in degraded(client)["message"]
+    assert client.objects["/api/v1/namespaces/ns/services/demo"]["spec"]["selector"] == {"app": "web"}
