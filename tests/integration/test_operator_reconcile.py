@@ -63,7 +63,11 @@ def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_na
         assert leader["spec"]["containers"][0]["command"] == ["tessera", "serve"]
         assert leader["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
 
-        services = {s["metadata"]["name"]: s for s in kjson(cluster, "get", "svc", "-n", ns)["items"]}
+        def services_by_name() -> dict[str, Any]:
+            return {s["metadata"]["name"]: s for s in kjson(cluster, "get", "svc", "-n", ns)["items"]}
+
+        wait_for(lambda: {"smollm2", "smollm2-ranks"} <= set(services_by_name()), "both Services")
+        services = services_by_name()
         assert services["smollm2-ranks"]["spec"]["clusterIP"] == "None"
         assert services["smollm2-ranks"]["spec"]["publishNotReadyAddresses"] is True
         assert services["smollm2"]["spec"]["selector"] == {
