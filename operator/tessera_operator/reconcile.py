@@ -325,6 +325,9 @@ class Reconciler:
         try:
             service = await self.client.get(core_path(ref.namespace, "services", name))
         except ApiError as exc:
+            if exc.status == 403:  # a Role from before this check (no services/get): not checked
+                log.warning("%s/%s: cannot read service %s: %s", ref.namespace, ref.name, name, exc)
+                return
             if exc.status == 404:
                 return  # gone meanwhile: the next pass creates it
             raise

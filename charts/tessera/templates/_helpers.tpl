@@ -77,7 +77,7 @@ subresource when a cluster autoscales (as the HPA would). */}}
   verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["list", "watch", "create", "update", "delete"]
+  verbs: ["get", "list", "watch", "create", "update", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
