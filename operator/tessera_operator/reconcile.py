@@ -286,14 +286,16 @@ class Reconciler:
         await self.client.merge_patch(ic_path + "/status", {"status": body})
         return True
 
-    async def create(self, path: str, body: dict[str, Any]) -> None:
+    async def create(self, path: str, body: dict[str, Any]) -> bool:
+        """Create; False if an object of that name exists already (or its predecessor still terminates)."""
         try:
             await self.client.create(path, body)
         except ApiError as exc:
-            if exc.status == 409:  # it exists (or its predecessor still terminates)
-                return
+            if exc.status == 409:
+                return False
             what = f"creating {body.get('kind', 'object').lower()} {body['metadata']['name']}"
             raise refusal(FAILED_CREATE, what, exc) from exc
+        return True
 
     async def delete_pod(self, namespace: str, name: str, uid: str | None) -> None:
         try:
@@ -309,8 +311,8 @@ class Reconciler:
             current = existing.get(name)
             path = core_path(ref.namespace, "services")
             if current is None:
-                await self.create(path, desired)
-                await self.check_service_is_ours(ref, name)
+                if not await self.create(path, desired):  # it exists, yet without our labels
+                    await self.check_service_is_ours(ref, name)
             elif service_drifted(current, desired):
                 try:
                     await self.repair_service(ref, current, desired)
@@ -319,9 +321,8 @@ class Reconciler:
                         raise refusal(FAILED_CREATE, f"repairing service {name}", exc) from exc
 
     async def check_service_is_ours(self, ref: builders.ClusterRef, name: str) -> None:
-        """A Service of that name without the cluster's labels (someone else's) makes the create
-        fail with a conflict that `create` takes for our own: say so, rather than point
-        status.endpoint at another application."""
+        """After a conflict: a Service of that name that is someone else's is said so, rather than
+        status.endpoint pointing at another application."""
         try:
             service = await self.client.get(core_path(ref.namespace, "services", name))
         except ApiError as exc:

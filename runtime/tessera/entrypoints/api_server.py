@@ -102,10 +102,6 @@ def build_app(
 
     app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=lifespan)
 
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param, exc.headers, exc.code)
-
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
@@ -117,6 +113,7 @@ def build_app(
 
     # Failures of one request: a 4xx for bad parameters, a 500 for this request alone, a 503
     # when the engine is gone; anything else is a bug, answered without its traceback.
+    @app.exception_handler(APIError)
     @app.exception_handler(InvalidParameterError)
     @app.exception_handler(RequestFailedError)
     @app.exception_handler(ServerShuttingDownError)

@@ -307,11 +307,13 @@ class ChatMessage(RequestModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                kind = part.type if part.type != "text" else "text without text"
-                raise InvalidParameterError("messages", f"content part type {kind!r} is not supported")
-        return "\n".join(part.text or "" for part in self.content)  # vLLM joins text parts by line
+        texts = [part.text for part in self.content if part.type == "text" and part.text is not None]
+        if len(texts) < len(self.content):
+            kinds = sorted(
+                {part.type for part in self.content if part.type != "text"} or {"text without text"}
+            )
+            raise InvalidParameterError("messages", f"content part type {kinds[0]!r} is not supported")
+        return "\n".join(texts)  # vLLM joins text parts by line
 
 
 class ChatCompletionRequest(SamplingFields):
