@@ -16,7 +16,7 @@ cluster's window with its current replicas, so a restart never scales down early
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tessera_operator.api import AutoscalingSpec
@@ -82,10 +82,15 @@ def parse_gauge(text: str, metric: str) -> float | None:
     return total if found else None
 
 
-def sample_of(depths: Iterable[float | None], groups: int) -> QueueSample:
-    """`depths`: one per Ready leader (None: no answer); `groups`: the groups that exist."""
-    measured = [d for d in depths if d is not None]
-    return QueueSample(sum(measured), len(measured), max(groups - len(measured), 0))
+def sample_of(depths: Mapping[int, float | None], groups: int) -> QueueSample:
+    """`depths`: by group index, one per Ready leader (None: no answer); `groups`: spec.replicas.
+
+    Groups past `groups` (a rollout's surge, or ones being removed) add their queues, but never
+    stand in for a group below it that is down: that one stays unmeasured.
+    """
+    measured = [d for d in depths.values() if d is not None]
+    unmeasured = sum(1 for index in range(groups) if depths.get(index) is None)
+    return QueueSample(sum(measured), len(measured), unmeasured)
 
 
 def recommend(spec: AutoscalingSpec, current: int, sample: QueueSample) -> tuple[int, str]:

@@ -52,8 +52,21 @@ async def _scrape(session: aiohttp.ClientSession, pod: dict[str, Any], metric: s
             if response.status != 200:
                 log.info("%s answered %d", url, response.status)
                 return None
-            body = await response.content.read(MAX_BODY_BYTES)
+            body = await _read_whole(response)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         log.info("%s: %s", url, exc or type(exc).__name__)
         return None
+    if body is None:
+        log.info("%s: a metrics page over %d bytes", url, MAX_BODY_BYTES)
+        return None
     return parse_gauge(body.decode("utf-8", errors="replace"), metric)
+
+
+async def _read_whole(response: aiohttp.ClientResponse) -> bytes | None:
+    """The whole body up to MAX_BODY_BYTES, or None past it: a page cut short is never parsed."""
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            return None
+    return bytes(body)

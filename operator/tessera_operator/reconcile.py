@@ -181,8 +181,9 @@ class Reconciler:
         if history.last_sample is not None and now - history.last_sample < self.autoscale_interval:
             kept = status.model_copy(update={"autoscaling": previous.autoscaling})
             return kept, history.last_sample + self.autoscale_interval - now
-        leaders = [g.leader for _, g in sorted(observation.groups.items()) if g.leader_ready and g.leader]
-        depths = await queue_depths(leaders, settings.metric)
+        ready = {i: g.leader for i, g in sorted(observation.groups.items()) if g.leader_ready and g.leader}
+        leaders = list(ready.values())
+        depths = dict(zip(ready, await queue_depths(leaders, settings.metric), strict=True))
         try:  # pure; a bug here must cost this sample, never the pass (restarts, status)
             sample = autoscaler.sample_of(depths, spec.replicas)
             decision = autoscaler.decide(settings, spec.replicas, sample, history, now)

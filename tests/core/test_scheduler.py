@@ -138,3 +138,30 @@ def test_prefix_cache_stats_count_hits():
     assert output.scheduled[0].start_position == 8  # two cached blocks, last token recomputed
     stats = scheduler.make_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (12, 8)
+
+
+def test_prefix_lookups_are_not_counted_when_the_cache_is_not_consulted():
+    # No data rather than a 0% hit rate: with caching off, or for a prompt whose logprobs are asked.
+    scheduler = make_scheduler(enable_prefix_caching=False)
+    add(scheduler, "a", 12, max_tokens=1)
+    run_step(scheduler)
+    stats = scheduler.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+    scheduler = make_scheduler()
+    add(scheduler, "scored", 12, max_tokens=1, prompt_logprobs=0)
+    run_step(scheduler)
+    assert scheduler.make_stats().prefix_cache_queries == 0
+
+
+def test_first_scheduled_time_ends_queueing_not_prefill():
+    # Queue time (vLLM's definition) is arrival to first schedule: a prompt prefilled in several
+    # chunks reports the time of its first chunk.
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    request = add(scheduler, "a", 10, max_tokens=2)
+    run_step(scheduler)
+    first = request.first_scheduled_time
+    assert first > 0
+    outputs = []
+    for _ in range(4):
+        outputs += run_step(scheduler)[1]
+    assert outputs and outputs[0].new_token_ids and outputs[0].first_scheduled_time == first

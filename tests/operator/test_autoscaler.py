@@ -4,6 +4,7 @@ in tests/integration/test_operator_autoscaling.py and tests/e2e)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,7 +14,7 @@ from aiohttp import web
 
 from tessera_operator.api import AutoscalingSpec
 from tessera_operator.autoscaler import History, QueueSample, decide, parse_gauge, recommend, sample_of, seed
-from tessera_operator.queue_metrics import metrics_url, queue_depths
+from tessera_operator.queue_metrics import MAX_BODY_BYTES, metrics_url, queue_depths
 from tessera_operator.reconcile import Reconciler
 from tests.operator.test_reconcile_unit import IC_PATH, fake_with_cluster
 
@@ -91,15 +92,18 @@ def test_no_scale_down_while_a_group_is_not_measured() -> None:
     """Scale-down removes the highest groups: with group 0 down and groups 1-2 idle, scaling to
     one group would keep the one that serves nothing."""
     settings = spec(targetQueueDepth=4, scaleDownStabilizationSeconds=0)
-    held = decide(settings, 3, sample_of([0.0, None], 3), History(), 0.0)
+    held = decide(settings, 3, sample_of({1: 0.0, 2: None}, 3), History(), 0.0)
     assert held.desired == 3 and "not measured: no scale-down" in held.reason
-    assert decide(settings, 3, sample_of([0.0, 0.0, 0.0], 3), History(), 0.0).desired == 1
+    assert decide(settings, 3, sample_of({0: 0.0, 1: 0.0, 2: 0.0}, 3), History(), 0.0).desired == 1
+    # A rollout's surge group 3 answers, but does not stand in for group 0, which is down.
+    surge = sample_of({1: 0.0, 2: 0.0, 3: 0.0}, 3)
+    assert surge.unmeasured == 1 and decide(settings, 3, surge, History(), 0.0).desired == 3
     # ... but never hold back a scale-up: the queue that was measured is real.
-    assert decide(settings, 3, sample_of([40.0, None], 3), History(), 0.0).desired == 7
+    assert decide(settings, 3, sample_of({0: 40.0, 1: None}, 3), History(), 0.0).desired == 7
 
 
 def test_without_any_measurement_only_the_bounds_apply() -> None:
-    nothing = sample_of([], 4)
+    nothing = sample_of({}, 4)
     assert decide(spec(maxReplicas=8), 4, nothing, History(), 0.0).desired == 4
     assert decide(spec(maxReplicas=2), 4, nothing, History(), 0.0).desired == 2  # above max: down now
     assert decide(spec(minReplicas=3), 1, nothing, History(), 0.0).desired == 3
@@ -132,8 +136,16 @@ async def metrics_server() -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """A real HTTP server on 127.0.0.1 whose /metrics answers what the test sets."""
     answer: dict[str, Any] = {"status": 200, "body": EXPOSITION}
 
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(status=answer["status"], text=answer["body"])
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        if isinstance(answer["body"], str):
+            return web.Response(status=answer["status"], text=answer["body"])
+        stream = web.StreamResponse()  # a list of pieces: sent apart, as TCP may deliver a page
+        await stream.prepare(request)
+        for piece in answer["body"]:
+            await stream.write(piece.encode())
+            await asyncio.sleep(0.1)
+        await stream.write_eof()
+        return stream
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -160,6 +172,16 @@ async def test_leaders_that_do_not_answer_are_unmeasured_not_idle(
     assert await queue_depths(leaders, METRIC) == [5.0, None, None]
     answer["status"] = 503
     assert await queue_depths(leaders[:1], METRIC) == [None]
+
+
+async def test_a_page_is_read_whole_and_an_oversized_one_is_unmeasured(
+    metrics_server: tuple[int, dict[str, Any]],
+) -> None:
+    port, answer = metrics_server
+    answer["body"] = [f"{METRIC} 1", "2.0\n"]  # the value split across two writes
+    assert await queue_depths([leader_pod("127.0.0.1", port)], METRIC) == [12.0]
+    answer["body"] = [f"{METRIC} 3\n", "#" * (MAX_BODY_BYTES + 1)]
+    assert await queue_depths([leader_pod("127.0.0.1", port)], METRIC) == [None]
 
 
 async def test_a_pass_samples_ready_leaders_and_scales_through_the_scale_subresource(

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
+from aiohttp import web
+
+from tessera.bench.client import stream_completion
+from tessera.bench.datasets import BenchRequest
+from tessera.bench.serve import arrival_offsets
 from tests.serving.server import MODEL_NAME, ServerProcess
 
 
@@ -31,3 +39,50 @@ def test_bench_serve_random_workload_with_concurrency_cap(
         assert 0 < result[f"median_{metric}_ms"] <= result[f"p99_{metric}_ms"]
     assert result["output_throughput"] > 0
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_arrivals_start_at_once_and_average_one_over_the_rate() -> None:
+    offsets = arrival_offsets(2001, 4.0, 1.0, random.Random(0))
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert abs(offsets[-1] / 2000 - 0.25) < 0.02  # mean gap 1/rate: the span ends at the last send
+    assert arrival_offsets(3, float("inf"), 1.0, random.Random(0)) == [0.0, 0.0, 0.0]
+
+
+async def test_timings_follow_chunks_with_choices_like_vllms_client() -> None:
+    """A first token that decodes to no text still ends TTFT; the usage chunk is no token; latency
+    ends at the last token, not at [DONE]; a stream with no token is a failure."""
+    streams = {
+        "empty-first": [
+            '{"choices":[{"text":""}]}',
+            '{"choices":[{"text":"a"}]}',
+            '{"choices":[],"usage":{"completion_tokens":2}}',
+        ],
+        "usage-only": ['{"choices":[],"usage":{"completion_tokens":0}}'],
+    }
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for index, data in enumerate(streams[body["prompt"]]):
+            await asyncio.sleep(0.05 if index < 2 else 0.2)
+            await response.write(f"data: {data}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as session:
+            ok = await stream_completion(session, url, "m", BenchRequest("empty-first", 1, 2), {})
+            failed = await stream_completion(session, url, "m", BenchRequest("usage-only", 1, 2), {})
+    finally:
+        await runner.cleanup()
+    assert ok.success and ok.output_len == 2 and len(ok.itl_s) == 1
+    assert 0.04 < ok.ttft_s < 0.2 and ok.latency_s < 0.25  # not through the 0.2 s wait for usage
+    assert not failed.success and failed.error == "no tokens generated"

@@ -40,7 +40,7 @@ async def stream_completion(
     }
     result = RequestResult(prompt_len=request.prompt_len)
     started = time.perf_counter()
-    last = started
+    last = 0.0  # when the latest chunk with choices came; 0 until the first (vLLM's client rules)
     try:
         async with session.post(url, json=body, headers=headers) as response:
             if response.status != 200:
@@ -58,18 +58,21 @@ async def stream_completion(
                     result.error = chunk["error"].get("message", "error")
                     return result
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    if result.ttft_s == 0.0:
+                # Any chunk with choices counts, even with empty text (a token ending inside a
+                # UTF-8 character): TTFT is the first, ITL the gaps, latency ends at the last.
+                if chunk.get("choices"):
+                    if not last:
                         result.ttft_s = now - started
                     else:
                         result.itl_s.append(now - last)
                     last = now
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
-        result.latency_s = time.perf_counter() - started
-        result.success = result.output_len > 0
-        if not result.success:
+        if not last or result.output_len <= 0:
             result.error = "no tokens generated"
+            return result
+        result.latency_s = last - started
+        result.success = True
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         result.error = repr(exc)
     return result

@@ -62,13 +62,16 @@ class KVCacheManager:
             parent = hash_block(parent, request.all_token_ids[start : start + self.block_size])
             hashes.append(parent)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest cached prefix of a request that holds no blocks yet: (blocks, tokens)."""
+    def _consults_cache(self, request: Request) -> bool:
         scoring_prompt = (
             request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent
         )
-        if not self.enable_prefix_caching or scoring_prompt:
-            return [], 0  # a prompt's logprobs need its every position computed
+        return self.enable_prefix_caching and not scoring_prompt  # prompt logprobs need every position
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a request that holds no blocks yet: (blocks, tokens)."""
+        if not self._consults_cache(request):
+            return [], 0
         self._update_block_hashes(request)
         # The last token is always computed, so its logits exist: cap the hit at num_tokens - 1.
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -80,9 +83,11 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.stats.queries += num_tokens
-        self.stats.hits += num_hit_tokens
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup, if the cache was consulted (no data, not 0% hits, otherwise)."""
+        if self._consults_cache(request):
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None

@@ -67,6 +67,7 @@ class Request:
         # request whose every token is in flight is not scheduled again until its output arrives.
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        self.first_scheduled_time = 0.0  # wall clock of the first schedule: queue time ends there
         self.num_preemptions = 0
         self.incarnation = -1  # set by the scheduler when added, and again at each preemption
         # Workers hold per-request state; it is sent again after a preemption dropped it.

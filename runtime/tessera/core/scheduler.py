@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 
 from tessera.config import EngineConfig
@@ -138,12 +139,13 @@ class Scheduler:
                 count = min(count, self.long_prefill_token_threshold)
             if not self.kv.allocate_slots(request, count, hits):
                 break
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            self.kv.record_prefix_lookup(request, num_hit_tokens)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # its first schedule: what it found cached, and when
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
             self.running.append(request)
             num_tokens[request.request_id] = count
             budget -= count
@@ -273,6 +275,7 @@ class Scheduler:
             new_token_ids=[token_id],
             new_logprobs=[runner_output.logprobs[row]] if runner_output.logprobs else None,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
         )
         if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             positions = range(1, request.num_prompt_tokens)

@@ -239,6 +239,7 @@ class AsyncLLM:
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
             self.metrics.record_scheduler_stats(outputs.scheduler_stats)
+        made = outputs.timestamp or now
         for output in outputs.outputs:
             timing = self._timings.get(output.request_id)
             if timing is None:
@@ -247,15 +248,15 @@ class AsyncLLM:
                 self.metrics.record_generation_tokens(len(output.new_token_ids))
                 if timing.first_token_time is None:
                     timing.first_token_time = now
-                    # The step that produced the first token started at outputs.timestamp:
-                    # until then the request was queued (or prefilling earlier chunks).
-                    queue_time = (outputs.timestamp or now) - timing.arrival_time
+                    # Queued until first scheduled (vLLM's definition): earlier prefill chunks are not queueing.
+                    scheduled = output.first_scheduled_time or now
+                    queue_time = scheduled - timing.arrival_time
                     self.metrics.record_first_token(
                         timing.num_prompt_tokens, now - timing.arrival_time, queue_time
                     )
                 elif timing.last_token_time is not None:
-                    self.metrics.record_inter_token_latency(now - timing.last_token_time)
-                timing.last_token_time = now
+                    self.metrics.record_inter_token_latency(made - timing.last_token_time)
+                timing.last_token_time = made
             if output.finish_reason is not None:
                 self._finish_child(output.request_id, output.finish_reason, now)
 

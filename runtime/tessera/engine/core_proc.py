@@ -208,10 +208,10 @@ class EngineCoreProc:
             raise RuntimeError(f"the engine core output thread died:\n{self._output_failure}")
 
     def _step(self) -> None:
-        started = time.time()
         outputs: EngineCoreOutputs = self.engine.step()
-        # The start of the step that produced these tokens: the frontend derives queue time from it.
-        outputs.timestamp = started
+        # When the tokens were made: inter-token latency by the engine's clock, not by when the
+        # frontend got around to them (several steps' outputs may arrive at once).
+        outputs.timestamp = time.time()
         self.output_queue.put((OUTPUTS, outputs))
         if not self.engine.has_unfinished_requests():
             self._publish_idle_stats()

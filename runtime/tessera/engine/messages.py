@@ -54,6 +54,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORT | FINISH_ERROR
     stop_reason: int | str | None = None  # the stop token id (or stop string, set by the detokenizer)
     num_cached_tokens: int = 0
+    first_scheduled_time: float = 0.0  # wall clock when the request left the waiting queue
     error: str | None = None  # with FINISH_ERROR: a short reason for the client (no traceback, no paths)
 
     @property
