@@ -61,7 +61,7 @@ test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not slow and not k8s" $(PYTEST_ARGS)
 
 crds: $(STAMP)
-	$(PY) -m tessera_operator.crdgen --out crds/
+	$(PY) -m tessera_operator.crdgen --out crds/ charts/tessera/crds/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

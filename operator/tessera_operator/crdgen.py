@@ -163,12 +163,15 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write the InferenceCluster CRD generated from api.py.")
-    parser.add_argument("--out", type=Path, default=Path("crds"), help="output directory")
+    parser.add_argument(
+        "--out", type=Path, nargs="+", default=[Path("crds")], help="output directories (each gets the file)"
+    )
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / CRD_FILENAME
-    path.write_text(render())
-    print(f"wrote {path}")
+    for folder in args.out:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / CRD_FILENAME
+        path.write_text(render())
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

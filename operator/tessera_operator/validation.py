@@ -27,7 +27,7 @@ from tessera_operator.k8sformat import (
 from tessera_operator.known_models import known_num_layers
 from tessera_operator.naming import CLUSTER_NAME_RE, MAX_CLUSTER_NAME
 from tessera_operator.podpolicy import PodPolicy, check_pod_policy
-from tessera_operator.quantity import parse_quantity
+from tessera_operator.quantity import quantity_to_bytes
 
 __all__ = ["RESERVED_ENV", "FieldError", "PodPolicy", "validate_object"]
 
@@ -123,7 +123,8 @@ def validate_engine(spec: InferenceClusterSpec) -> list[FieldError]:
         )
     if eng.kv_cache_memory is not None:
         try:
-            parse_quantity(eng.kv_cache_memory)
+            if quantity_to_bytes(eng.kv_cache_memory) < 1:  # the engine takes whole bytes, at least one
+                errors.append(FieldError("spec.engine.kvCacheMemory", "must be at least 1 byte"))
         except ValueError as exc:
             errors.append(FieldError("spec.engine.kvCacheMemory", str(exc)))
     return errors

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # top logprobs per token the engine returns at most (vLLM's default cap)
+MAX_N = 128  # samples per prompt one request may ask for (the API's schema bound)
 
 
 class InvalidParameterError(ValueError):

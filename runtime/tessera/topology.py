@@ -201,9 +201,9 @@ class Topology(BaseModel):
             "MASTER_PORT": str(self.dist_port),
             "RANK": str(self.rank),
             "WORLD_SIZE": str(self.world_size),
-            # One rank per pod (or per local process group slot): the local rank is the TP rank
-            # within the stage, which is what picks the CUDA device on a multi-GPU node.
-            "LOCAL_RANK": str(self.tp_rank),
+            # One rank per pod: the device plugin shows a container only its own GPUs, numbered
+            # from 0, so the rank's device is cuda:0 (local processes get their index instead).
+            "LOCAL_RANK": "0",
         }
         if self.layer_partition is not None:
             env["TESSERA_LAYER_PARTITION"] = ",".join(str(n) for n in self.layer_partition)

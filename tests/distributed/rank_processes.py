@@ -26,9 +26,11 @@ HOST_PATH_ENV = ("TESSERA_CACHE", "TMPDIR", "HOME")
 
 
 def rank_pod_processes(
-    spec: InferenceClusterSpec, log_dir: Path
+    spec: InferenceClusterSpec, log_dir: Path, last_pod_delay_s: float = 0.0
 ) -> tuple[list[subprocess.Popen[bytes]], int]:
-    """Start group 0's pods (leader first); returns the processes and the leader's HTTP port."""
+    """Start group 0's pods (leader first; the last one `last_pod_delay_s` after the leader's own
+    rank began to join, as a pod still pulling its image would); returns the processes and the
+    leader's HTTP port."""
     ref = builders.ClusterRef("demo", "ns", "uid-1")
     pods = builders.build_group(ref, spec, builders.revision_of(spec), 0)
     ports = {
@@ -57,9 +59,19 @@ def rank_pod_processes(
         args = ["127.0.0.1" if a == "0.0.0.0" else str(a) for a in args]
         assert container["command"][0] == "tessera"
         command = [sys.executable, "-m", "tessera.cli", *container["command"][1:], *args]
+        if last_pod_delay_s and pod is pods[-1]:
+            wait_for_line(log_dir / f"{pods[0]['metadata']['name']}.log", b"rank 0 of", 120)
+            time.sleep(last_pod_delay_s)
         log = (log_dir / f"{pod['metadata']['name']}.log").open("wb")
         procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs, ports["TESSERA_API_PORT"]
+
+
+def wait_for_line(log: Path, text: bytes, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_bytes():
+        assert time.monotonic() < deadline, f"{log.name} has no {text!r} after {timeout_s:.0f} s"
+        time.sleep(0.2)
 
 
 def children_of(pid: int) -> list[int]:

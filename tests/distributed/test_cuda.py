@@ -10,17 +10,32 @@ import torch
 from tessera import SamplingParams
 from tessera.config import EngineConfig
 from tessera.distributed.parallel_state import backend_for
+from tessera.topology import ParallelLayout, Topology
 from tessera.worker.worker import select_device
 from tests.distributed.equivalence import Workload, compare, run, token_prompts
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def test_the_device_picks_the_backend_and_the_local_rank_picks_the_gpu() -> None:
+def test_the_device_picks_the_backend_and_the_local_rank_picks_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert backend_for(torch.device("cuda", 1)) == "nccl"
     assert backend_for(torch.device("cpu")) == "gloo"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert select_device(EngineConfig(model="m", device="cuda"), local_rank=3) == torch.device("cuda", 3)
     assert select_device(EngineConfig(model="m", device="cpu"), local_rank=3) == torch.device("cpu")
+    # A pod sees only its own GPUs: a rank past them is a clear error, not CUDA's "invalid ordinal".
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError, match="sees 1 GPU"):
+        select_device(EngineConfig(model="m", device="cuda"), local_rank=1)
+
+
+def test_every_rank_pod_uses_its_first_visible_gpu() -> None:
+    layout = ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2)
+    for rank in range(4):
+        env = Topology(layout=layout, leader_addr="leader").for_rank(rank).to_env()
+        assert env["LOCAL_RANK"] == "0" and env["RANK"] == str(rank)
 
 
 @pytest.mark.slow

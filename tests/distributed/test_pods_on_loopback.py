@@ -17,7 +17,9 @@ PROMPTS = ["Once upon a time", "The quick brown fox", "Tensor parallelism splits
 
 
 @pytest.mark.slow
-def test_operator_built_pods_serve_the_openai_client(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_operator_built_pods_serve_the_openai_client(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec = InferenceClusterSpec.model_validate(
         {
             "model": {"source": str(tiny_llama_dir), "servedName": "tiny", "maxModelLen": 256},
@@ -28,7 +30,10 @@ def test_operator_built_pods_serve_the_openai_client(tiny_llama_dir: Path, tmp_p
     reference = LLM(str(tiny_llama_dir), max_model_len=256, num_kv_blocks=64).generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     )
-    procs, port = rank_pod_processes(spec, tmp_path)
+    # The last pod comes well after the collective timeout: the rendezvous must wait for it
+    # (it starts only once every rank has joined), not time out in the ranks already there.
+    monkeypatch.setenv("TESSERA_COLLECTIVE_TIMEOUT", "6")
+    procs, port = rank_pod_processes(spec, tmp_path, last_pod_delay_s=8.0)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", procs, 300)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)

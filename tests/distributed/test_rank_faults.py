@@ -54,7 +54,7 @@ def test_a_failed_rank_fails_requests_fast_and_takes_every_rank_down(
         "--pp",
         "2",
         "--max-model-len",
-        "1100",
+        "1024",
         api_key=None,
         log=tmp_path / "s.log",
     )

@@ -3,12 +3,14 @@ machine running the tests, and a verdict is measured once per shape, recorded an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -213,6 +215,29 @@ def test_a_verdict_is_measured_once_recorded_and_reused(
     monkeypatch.setattr(gemm_selection, "measure", no_measuring)
     again = pack_weight(torch.randn(64, 48), (4, 32))
     assert again is not None and again.backend == first.backend
+
+
+def test_a_large_weight_is_measured_on_a_sample_and_only_the_winner_packs_it_whole(
+    selection_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Scaled down: a 16 KiB limit stands for the real one, so a 256 x 48 fp32 weight is "large".
+    monkeypatch.setattr(gemm_selection, "MEASURE_BYTES_LIMIT", 16 << 10)
+    weight = torch.randn(256, 48)
+    packed_shapes: list[tuple[int, ...]] = []
+    for backend in candidates(weight):
+
+        def pack(w: torch.Tensor, original: Any = backend.pack) -> Any:
+            packed_shapes.append(tuple(w.shape))
+            return original(w)
+
+        monkeypatch.setitem(BACKENDS, backend.name, dataclasses.replace(backend, pack=pack))
+    form = pack_weight(weight, (4, 32))
+    assert form is not None
+    assert packed_shapes.count((64, 48)) == len(candidates(weight))  # every candidate on 64 rows
+    assert packed_shapes.count((256, 48)) <= 1  # then the winner (ATen keeps the dense weight)
+    torch.testing.assert_close(form.matmul(x := torch.randn(5, 48), None), x @ weight.T, atol=1e-4, rtol=1e-4)
+    key = gemm_selection.selection_key(weight, (4, 32))
+    assert json.loads(selection_file.read_text())[key]["backend"] == form.backend
 
 
 def test_a_recorded_verdict_is_honoured_and_others_kept(selection_file: Path) -> None:

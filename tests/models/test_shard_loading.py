@@ -3,13 +3,18 @@ of other pipeline stages' layers."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tessera.models import checkpoint
-from tessera.models.loader import load_model, safetensors_files
+from tessera.models.loader import UnsupportedModelError, load_model, safetensors_files
 
 
 def checkpoint_bytes(folder: Path) -> int:
@@ -38,3 +43,57 @@ def test_a_pipeline_stage_never_reads_other_stages_layers(tiny_llama_dir: Path) 
     last = bytes_read_loading(tiny_llama_dir, pp_rank=1, pp_size=2)
     # Every tensor is read by exactly one stage (this model's LM head is not tied to the embedding).
     assert first + last == whole and first < whole * 0.6 and last < whole * 0.6
+
+
+def rewrite_checkpoint(source: Path, target: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of `source` whose tensors `edit` changed (in one model.safetensors)."""
+    shutil.copytree(source, target)
+    tensors = {name: t.materialize() for name, t in checkpoint.iterate_lazily(safetensors_files(target))}
+    for path in safetensors_files(target):
+        path.unlink()
+    (target / "model.safetensors.index.json").unlink(missing_ok=True)
+    edit(tensors)
+    save_file(tensors, str(target / "model.safetensors"))
+    return target
+
+
+def test_a_fused_parameter_missing_a_part_is_reported(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # k_proj alone gone: q and v arrive, so qkv_proj would otherwise pass with uninitialised rows.
+    def drop(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors["model.layers.0.self_attn.k_proj.weight"], tensors["model.layers.1.mlp.up_proj.weight"]
+
+    folder = rewrite_checkpoint(tiny_llama_dir, tmp_path / "partial", drop)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "lacks tensors for: model.layers.0.self_attn.qkv_proj.weight, model.layers.1.mlp.gate_up_proj.weight"
+        ),
+    ):
+        load_model(folder, dtype=torch.float32, device="cpu")
+
+
+def test_tensors_the_model_has_no_place_for_are_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # Biases the config leaves out (attention_bias is false) would otherwise vanish silently.
+    def add_bias(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.layers.0.self_attn.q_proj.bias"] = torch.ones(
+            tensors["model.layers.0.self_attn.q_proj.weight"].shape[0]
+        )
+
+    folder = rewrite_checkpoint(tiny_llama_dir, tmp_path / "extra", add_bias)
+    with pytest.raises(
+        ValueError, match=re.escape("no place in this LlamaForCausalLM: model.layers.0.self_attn.q_proj.bias")
+    ):
+        load_model(folder, dtype=torch.float32, device="cpu")
+    # ... while every stage of a pipeline skips what other stages hold, without complaint.
+    for pp_rank in range(2):
+        load_model(tiny_llama_dir, dtype=torch.float32, device="cpu", pp_rank=pp_rank, pp_size=2)
+
+
+def test_a_quantized_checkpoint_is_refused_by_name(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "fp8"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=r"quantized checkpoint \(fp8\)"):
+        load_model(folder, dtype=torch.float32, device="cpu")

@@ -68,6 +68,13 @@ def test_qkv_splits_heads_and_replicates_scarce_kv_heads(tp: int, heads: int, kv
     assert torch.allclose(torch.cat(qs, -1), X @ q_w.T, atol=1e-5)
 
 
+def test_heads_that_do_not_split_name_the_heads_at_fault() -> None:
+    with pytest.raises(ValueError, match="3 key/value heads do not split over tensor_parallel_size=4"):
+        QKVParallelLinear(24, 2, 12, 3, bias=False, tp_rank=0, tp_size=4)
+    with pytest.raises(ValueError, match="6 attention heads do not split over tensor_parallel_size=4"):
+        QKVParallelLinear(24, 4, 6, 2, bias=False, tp_rank=0, tp_size=4)
+
+
 def test_row_parallel_partials_sum_to_full_with_bias_once() -> None:
     weight, bias = torch.randn(10, 24), torch.randn(10)
     partial_sum = torch.zeros(5, 10)

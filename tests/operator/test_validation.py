@@ -92,6 +92,10 @@ TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path
         ),
         ({"engine": {"kvCacheMemory": "1e400"}}, "spec.engine.kvCacheMemory"),
         ({"engine": {"kvCacheMemory": "1e999999999999999"}}, "spec.engine.kvCacheMemory"),
+        # Admitted, each would crash-loop every leader (the engine needs at least one byte).
+        ({"engine": {"kvCacheMemory": 0}}, "spec.engine.kvCacheMemory"),
+        ({"engine": {"kvCacheMemory": "0"}}, "spec.engine.kvCacheMemory"),
+        ({"engine": {"kvCacheMemory": "100m"}}, "spec.engine.kvCacheMemory"),
         (
             {"template": {"resources": {"limits": {"memory": "1e400"}}}},
             "spec.template.resources.limits[memory]",

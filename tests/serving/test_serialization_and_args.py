@@ -139,3 +139,21 @@ def test_an_empty_api_key_refuses_to_start_rather_than_serve_an_open_api(
     with pytest.raises(SystemExit) as exited:
         main(argv)  # before any model is loaded
     assert exited.value.code == 2 and "set but empty" in caplog.text
+
+
+def test_the_api_key_is_stripped_and_an_unset_one_leaves_the_api_open() -> None:
+    from tessera.entrypoints.api_server import api_key_of
+
+    assert api_key_of(None, {"TESSERA_API_KEY": "secret\n"}) == "secret"  # a Secret made from a file
+    assert api_key_of(" flag ", {"TESSERA_API_KEY": "env"}) == "flag"
+    assert api_key_of(None, {}) is None
+
+
+def test_max_n_cannot_be_raised_past_the_schemas_ceiling() -> None:
+    from tessera.entrypoints.serve_args import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--max-n", "500"])
+    assert parser.parse_args(["m", "--max-n", "4"]).max_n == 4

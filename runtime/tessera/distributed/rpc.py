@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -200,6 +201,8 @@ class WorkerLink:
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
         self._leader_seen: float | None = None
+        # Tells this process from a replacement of it: in containers every rank may be pid 1.
+        self._instance = uuid.uuid4().hex
         self._armed = False  # the leader-silence deadline holds once this rank is ready
         self._thread = threading.Thread(target=self._loop, name="leader-link", daemon=True)
         self._thread.start()
@@ -240,7 +243,7 @@ class WorkerLink:
                 next_beat = now + HEARTBEAT_INTERVAL_S
                 beat = HELLO if self._leader_seen is None else PONG
                 self._dealer.send_multipart(
-                    [beat, serialization.encode({"rank": self.rank, "pid": os.getpid()})]
+                    [beat, serialization.encode({"rank": self.rank, "instance": self._instance})]
                 )
             if (
                 self._armed

@@ -15,7 +15,7 @@ import hmac
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
@@ -202,15 +202,27 @@ class DrainingServer(uvicorn.Server):
             late.cancel()
 
 
+def api_key_of(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key clients must send (--api-key, else TESSERA_API_KEY), stripped: a Secret made from
+    a file usually ends in a newline, which no client sends. Set but empty is an error: it would
+    otherwise leave the API open without a word."""
+    key = flag if flag is not None else environ.get("TESSERA_API_KEY")
+    if key is None:
+        return None
+    if not key.strip():
+        raise ValueError("the API key (--api-key or TESSERA_API_KEY) is set but empty: give one, or unset it")
+    return key.strip()
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until stopped; returns the process exit code (1 when the engine core died)."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    api_key = args.api_key if args.api_key is not None else os.environ.get("TESSERA_API_KEY")
-    if api_key is not None and not api_key.strip():
-        # An empty Secret value would otherwise leave the API open without a word.
-        logger.error("the API key (--api-key or TESSERA_API_KEY) is set but empty: give one, or unset it")
+    try:
+        api_key = api_key_of(args.api_key, os.environ)
+    except ValueError as exc:
+        logger.error("%s", exc)
         return 2
     config = engine_config_from_args(args, args.model)
     names = args.served_model_name or [args.model]

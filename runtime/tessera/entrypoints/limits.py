@@ -11,14 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from tessera.engine.arg_utils import parse_size
-from tessera.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
+from tessera.sampling_params import MAX_LOGPROBS, MAX_N, InvalidParameterError, SamplingParams
 
 
 @dataclass(frozen=True)
 class ServingLimits:
     max_request_body_size: int = 8 * 1024**2
     max_json_depth: int = 32
-    max_n: int = 128
+    max_n: int = MAX_N
     max_prompts_per_request: int = 128
     max_sequences_per_request: int = 256
     max_stop_strings: int = 64
@@ -73,7 +73,7 @@ class ServingLimits:
 _HELP = {
     "max_request_body_size": "largest request body, checked before parsing (bytes, or 8MiB, 1GB, ...)",
     "max_json_depth": "deepest nesting of arrays and objects in a request body",
-    "max_n": "largest n (samples per prompt)",
+    "max_n": f"largest n (samples per prompt), at most {MAX_N}",
     "max_prompts_per_request": "most prompts in one /v1/completions request",
     "max_sequences_per_request": "most sequences (prompts x n) one request may start",
     "max_stop_strings": "most stop strings per request",
@@ -112,4 +112,5 @@ _positive_int = _int_in(1)
 _TYPES: dict[str, Callable[[str], int]] = {
     "max_request_body_size": parse_size,
     "max_logprobs": _int_in(0, MAX_LOGPROBS),
+    "max_n": _int_in(1, MAX_N),
 }

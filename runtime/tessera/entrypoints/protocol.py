@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tessera.sampling_params import MAX_LOGPROBS, InvalidParameterError, SamplingParams
+from tessera.sampling_params import MAX_LOGPROBS, MAX_N, InvalidParameterError, SamplingParams
 
 INT32 = 2**31 - 1
 INT64 = 2**63 - 1
@@ -137,7 +137,7 @@ class SamplingFields(RequestModel):
     """Fields both endpoints share; `to_sampling_params` turns them into the engine's SamplingParams."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=1e4)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
@@ -214,7 +214,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=0, le=INT32)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=128)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
 

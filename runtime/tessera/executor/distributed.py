@@ -26,7 +26,6 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 from tessera.config import EngineConfig
@@ -56,7 +55,6 @@ class DistributedExecutor(Executor):
     def __init__(
         self,
         config: EngineConfig,
-        model_dir: Path,
         topology: Topology,
         local_ranks: list[int],
         extra_bind_addrs: list[str],
@@ -78,9 +76,9 @@ class DistributedExecutor(Executor):
         self._call_ids = itertools.count()
         self._step_futures: dict[int, Future[ModelRunnerOutput]] = {}
         self._calls: dict[int, _Call] = {}
-        self._pids: dict[int, int] = {}
+        self._instances: dict[int, str] = {}  # each rank process's random id (pods' pids are all alike)
         self._ready: dict[int, dict[str, Any]] = {}
-        self._welcome = {"config": config.model_dump_json(), "model_dir": str(model_dir)}
+        self._welcome = {"config": config.model_dump_json()}
         self.channel = rpc.LeaderChannel(bind_addrs, self.world_size, self._on_message, self._fail)
         self.channel.start()  # only now: a pod rank's HELLO may be waiting, and it needs self.channel
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -134,6 +132,9 @@ class DistributedExecutor(Executor):
         with self._lock:
             while len(self._ready) < self.world_size and self.failure is None:
                 if time.monotonic() > deadline:
+                    absent = sorted(set(range(self.world_size)) - set(self._instances))
+                    if absent:
+                        raise ExecutorFailedError(f"ranks {absent} never joined in {timeout_s:.0f} s")
                     missing = sorted(set(range(self.world_size)) - set(self._ready))
                     raise ExecutorFailedError(f"ranks {missing} not ready after {timeout_s:.0f} s")
                 self._lock.wait(0.5)
@@ -142,7 +143,7 @@ class DistributedExecutor(Executor):
     # --- messages from ranks (the channel's I/O thread) ---------------------------------------------
     def _on_message(self, rank: int, kind: bytes, payload: Any) -> None:
         if kind == rpc.HELLO:
-            self._on_hello(rank, int(payload.get("pid", 0)))
+            self._on_hello(rank, str(payload.get("instance", "")))
         elif kind == rpc.READY:
             self.channel.watch(rank)
             with self._lock:
@@ -158,13 +159,16 @@ class DistributedExecutor(Executor):
         elif kind == rpc.FATAL:
             self._fail(f"rank {rank} failed:\n{payload.get('error', '')}")
 
-    def _on_hello(self, rank: int, pid: int) -> None:
-        known = self._pids.get(rank)
+    def _on_hello(self, rank: int, instance: str) -> None:
+        known = self._instances.get(rank)
         if known is None:
-            self._pids[rank] = pid
-            self.channel.send([rank], rpc.WELCOME, self._welcome)
-        elif known != pid:
-            self._fail(f"rank {rank} restarted (pid {known} -> {pid}): its group must restart as a whole")
+            self._instances[rank] = instance
+            if len(self._instances) == self.world_size:
+                # Every rank is here: only now does the rendezvous start, so no rank waits in it
+                # (bounded by the collective timeout) for a pod still pulling its image.
+                self.channel.send(list(range(self.world_size)), rpc.WELCOME, self._welcome)
+        elif known != instance:
+            self._fail(f"rank {rank} restarted (a new process joined): its group must restart as a whole")
 
     def _on_result(self, rank: int, payload: dict[str, Any]) -> None:
         with self._lock:
@@ -259,26 +263,22 @@ class DistributedExecutor(Executor):
 class MultiprocExecutor(DistributedExecutor):
     """Every rank a local process: `tessera serve MODEL --tp T --pp P` on one machine (IPC)."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         topology = Topology(layout=config.parallel, leader_addr="127.0.0.1", dist_port=free_port())
-        super().__init__(
-            config, model_dir, topology, list(range(topology.world_size)), [], LOCAL_STARTUP_TIMEOUT_S
-        )
+        super().__init__(config, topology, list(range(topology.world_size)), [], LOCAL_STARTUP_TIMEOUT_S)
 
 
 class RemoteRanksExecutor(DistributedExecutor):
     """The leader pod: rank 0 runs here, every other rank is a pod that joins over TCP."""
 
-    def __init__(self, config: EngineConfig, model_dir: Path, topology: Topology) -> None:
+    def __init__(self, config: EngineConfig, topology: Topology) -> None:
         if not topology.is_leader:
             raise ValueError(
                 f"`tessera serve` runs on rank 0 only; this is rank {topology.rank} (use `tessera worker`)"
             )
         if topology.layout != config.parallel:
             raise ValueError(f"engine layout {config.parallel} differs from the topology's {topology.layout}")
-        super().__init__(
-            config, model_dir, topology, [0], [f"tcp://*:{topology.rpc_port}"], REMOTE_STARTUP_TIMEOUT_S
-        )
+        super().__init__(config, topology, [0], [f"tcp://*:{topology.rpc_port}"], REMOTE_STARTUP_TIMEOUT_S)
 
 
 def _die_with_parent() -> None:

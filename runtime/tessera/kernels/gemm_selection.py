@@ -49,6 +49,8 @@ LAYER_ROWS = (8, 64, 512)
 # The LM head only sees the last position of each sequence in a step.
 LM_HEAD_ROWS = (8, 64)
 _MIN_ROUNDS, _TIME_BUDGET_S = 5, 0.03
+# Largest weight measured whole (see measure_sample); SmolLM2's fp32 LM head is 113 MB.
+MEASURE_BYTES_LIMIT = 128 << 20
 # CPUs' worth of other work during a measurement beyond which its verdict is not recorded.
 CONTENTION_LIMIT_CPUS = 0.3
 _PROC_STAT = Path("/proc/stat")
@@ -167,9 +169,22 @@ def _best_times(packed: dict[str, PackedWeight], x: torch.Tensor) -> dict[str, f
     return best
 
 
+def measure_sample(weight: torch.Tensor) -> torch.Tensor:
+    """What the candidates race on: ``weight`` itself, or, past MEASURE_BYTES_LIMIT, its first
+    output rows (a multiple of 64, the same K): measuring packs every candidate at once, and
+    a large model's LM head (2 GB in fp32 for 128k x 4096) would otherwise be packed four times
+    over while a pod sized for the model loads. The backends differ per output column and K."""
+    row_bytes = weight.shape[1] * weight.element_size()
+    if weight.shape[0] * row_bytes <= MEASURE_BYTES_LIMIT:
+        return weight
+    return weight[: max(64, MEASURE_BYTES_LIMIT // row_bytes // 64 * 64)]
+
+
 def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dict[str, PackedWeight]]:
-    """Time every candidate on ``weight`` itself; returns the verdict and the packed forms built."""
-    packed = {backend.name: backend.pack(weight) for backend in candidates(weight)}
+    """Time every candidate on ``weight`` (or its sample); returns the verdict and the packed forms
+    of the whole weight it built (none when it measured a sample)."""
+    sample = measure_sample(weight)
+    packed = {backend.name: backend.pack(sample) for backend in candidates(sample)}
     generator = torch.Generator().manual_seed(0)
     log_ratio = dict.fromkeys(packed, 0.0)
     with torch.inference_mode(), _ContentionMeter() as contention:
@@ -181,7 +196,7 @@ def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dic
                 log_ratio[name] += math.log(elapsed / fastest) / len(rows)
     scores = {name: round(math.exp(value), 3) for name, value in log_ratio.items()}
     backend = min(scores, key=scores.__getitem__)
-    return Selection(backend, scores, round(contention.cpus, 2)), packed
+    return Selection(backend, scores, round(contention.cpus, 2)), packed if sample is weight else {}
 
 
 def _select(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, PackedWeight | None]:
@@ -214,7 +229,7 @@ def _select(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, PackedWei
     else:
         logger.info("GEMM %s: %s (scores %s)", key, selection.backend, selection.measured)
         _record(key, selection)
-    return selection.backend, packed[selection.backend]
+    return selection.backend, packed.get(selection.backend)
 
 
 def selected_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> str:

@@ -32,6 +32,10 @@ STACKED_PARAMS: list[tuple[str, str, Any]] = [
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 ]
+# fused parameter fragment -> the shard ids that together fill it
+FUSED_PARTS: dict[str, set[Any]] = {
+    fused: {shard for _, other, shard in STACKED_PARAMS if other == fused} for _, fused, _ in STACKED_PARAMS
+}
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -43,6 +47,16 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
+
+
+def context_length(config: Any) -> int:
+    """The longest sequence the model's positions cover: max_position_embeddings, stretched by a
+    linear RoPE scaling's factor (llama3's scaling already counts in max_position_embeddings)."""
+    length = int(getattr(config, "max_position_embeddings", 4096))
+    params = rope_parameters(config)
+    if params["rope_type"] == "linear":
+        length = int(length * float(params["factor"]))
+    return length
 
 
 def sliding_window_of_layer(config: Any, layer: int) -> int | None:
@@ -249,8 +263,8 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.tie_to(self.model.embed_tokens)
         first_attention = self._local_layers()[0].self_attn
         self._kv_heads, self._head_dim = first_attention.num_kv_heads, first_attention.head_dim
-        max_position = int(getattr(config, "max_position_embeddings", 4096))
-        self.rotary = RotaryEmbedding(self._head_dim, max_position, rope_parameters(config), dtype)
+        self.max_context = context_length(config)
+        self.rotary = RotaryEmbedding(self._head_dim, self.max_context, rope_parameters(config), dtype)
         self._workspace = GatherWorkspace()
 
     def _local_layers(self) -> list[LlamaDecoderLayer]:
@@ -311,9 +325,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]) -> set[str]:
-        """Copy checkpoint tensors into this rank's parameters; returns the parameter names filled."""
+        """Copy checkpoint tensors into this rank's parameters; returns the parameter names filled.
+
+        A fused parameter counts as filled only once every part arrived (q, k and v; gate and up).
+        A tensor of this rank's that has no parameter to go to is an error, not skipped: it means
+        a checkpoint the model does not describe (quantized, or biases its config leaves out).
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        parts: dict[str, set[Any]] = {}
+        unplaced: list[str] = []
         for name, tensor in weights:
             for target in self._targets(name):
                 fused = next(((frag, new, sid) for frag, new, sid in STACKED_PARAMS if frag in target), None)
@@ -321,9 +342,13 @@ class LlamaForCausalLM(nn.Module):
                     frag, new, shard_id = fused
                     target = target.replace(frag, new)
                     if target not in params:
+                        unplaced.append(name)
                         continue
                     param = params[target]
                     param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                    parts.setdefault(target, set()).add(shard_id)
+                    if parts[target] != FUSED_PARTS[new]:
+                        continue
                 elif target in params:
                     param = params[target]
                     loader = getattr(param, "weight_loader", None)
@@ -332,8 +357,14 @@ class LlamaForCausalLM(nn.Module):
                     else:
                         loader(param, tensor)
                 else:
+                    unplaced.append(name)
                     continue
                 loaded.add(target)
+        if unplaced:
+            raise ValueError(
+                f"checkpoint tensors with no place in this {type(self).__name__}: {', '.join(unplaced[:8])}"
+                f"{' ...' if len(unplaced) > 8 else ''} (does config.json describe these weights?)"
+            )
         return loaded
 
     def _targets(self, name: str) -> list[str]:
@@ -345,10 +376,14 @@ class LlamaForCausalLM(nn.Module):
             start, end = self.layer_range
             return [name] if start <= index < end else []
         if name == "lm_head.weight":
-            return [] if self.tie_word_embeddings else [name]
-        if name == "model.embed_tokens.weight" and self.tie_word_embeddings and self.is_last_stage:
-            # A tied last stage that does not hold the embedding still needs the matrix as its LM head.
-            return [name, "lm_head.weight"] if self.model.embed_tokens is None else [name]
+            return [name] if self.is_last_stage and not self.tie_word_embeddings else []
+        if name == "model.embed_tokens.weight":
+            targets = [name] if self.model.embed_tokens is not None else []
+            if self.tie_word_embeddings and self.is_last_stage and self.model.embed_tokens is None:
+                targets.append("lm_head.weight")  # a tied last stage without the embedding: its LM head
+            return targets
+        if name.startswith("model.norm."):
+            return [name] if self.is_last_stage else []
         return [name]
 
     def missing_parameters(self, loaded: set[str]) -> list[str]:

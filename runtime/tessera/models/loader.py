@@ -83,6 +83,16 @@ def load_model(
     device = torch.device(device)
     config = load_config(folder)
     model_class = model_class_for(config)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = (
+            quantization.get("quant_method")
+            if isinstance(quantization, dict)
+            else getattr(quantization, "quant_method", None)
+        )
+        raise UnsupportedModelError(
+            f"{folder} holds a quantized checkpoint ({method}): only unquantized fp32/fp16/bf16 weights load"
+        )
     with torch.device(device):
         model = model_class(
             config,

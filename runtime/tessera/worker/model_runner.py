@@ -91,7 +91,14 @@ class ModelRunner:
             layer_partition=topology.layer_partition,
             sequence_parallel=topology.sequence_parallel,
         )
-        self.max_model_len = config.max_model_len or int(self.model.config.max_position_embeddings)
+        context = self.model.max_context
+        if config.max_model_len is not None and config.max_model_len > context:
+            # Positions past the RoPE table have no meaning the model was trained for (vLLM refuses too).
+            raise ValueError(
+                f"max_model_len={config.max_model_len} is longer than the model's context of {context} "
+                "tokens (max_position_embeddings, times a linear RoPE scaling's factor)"
+            )
+        self.max_model_len = config.max_model_len or context
         self.vocab_size = int(self.model.config.vocab_size)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}

@@ -21,6 +21,7 @@ from tessera.distributed import pipeline
 from tessera.distributed.communication import COMM_STATS
 from tessera.distributed.parallel_state import destroy_distributed, init_distributed
 from tessera.models.intermediate_tensors import IntermediateTensors
+from tessera.models.registry import resolve_model
 from tessera.topology import Topology
 from tessera.worker.cpu_binding import PROCESS_CPUS, bind_threads, cgroup_cpu_limit
 from tessera.worker.cpu_memory import retain_freed_memory
@@ -34,6 +35,12 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT", "120")
 
 def select_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            raise RuntimeError(
+                f"local rank {local_rank} needs cuda:{local_rank}, but this process sees {visible} "
+                "GPU(s): give each rank its own GPU (CUDA_VISIBLE_DEVICES, or the pod's GPU request)"
+            )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -61,7 +68,7 @@ class Worker:
     def __init__(
         self,
         config: EngineConfig,
-        model_dir: Path,
+        model_dir: Path | None,
         topology: Topology | None = None,
         local_rank: int = 0,
         local_world_size: int = 1,
@@ -81,6 +88,11 @@ class Worker:
         self.distributed = self.topology.world_size > 1
         if self.distributed:
             init_distributed(self.topology, self.device, COLLECTIVE_TIMEOUT_S)
+        if model_dir is None:
+            # A rank process resolves its own copy (an alias or .gguf converts into this pod's
+            # cache), after the rendezvous: a slow conversion is then bounded by the leader's
+            # start-up timeout, not by the rendezvous' collective timeout.
+            model_dir = resolve_model(config.model)
         self.runner = ModelRunner(
             config, model_dir, self.device, select_dtype(config, self.device), self.topology
         )

@@ -13,7 +13,6 @@ import os
 import queue
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 from tessera.topology import Topology, TopologyError
@@ -84,9 +83,9 @@ def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[
         )
     worker = Worker(
         config,
-        Path(welcome["model_dir"]),
+        None,
         topology,
-        local_rank=int(environ.get(LOCAL_RANK_ENV, topology.tp_rank)),
+        local_rank=int(environ.get(LOCAL_RANK_ENV, "0")),
         local_world_size=int(environ.get(LOCAL_WORLD_SIZE_ENV, "1")),
     )
     link.send(rpc.READY, {"rank": topology.rank, "max_model_len": worker.max_model_len})

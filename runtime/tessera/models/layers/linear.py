@@ -253,11 +253,16 @@ class QKVParallelLinear(ColumnParallelLinear):
                 "choose a tensor-parallel size that divides the number of query heads"
             )
         self.num_heads = total_num_heads // tp_size
+        if tp_size % total_num_kv_heads and total_num_kv_heads % tp_size:
+            raise ValueError(
+                f"{total_num_kv_heads} key/value heads do not split over tensor_parallel_size={tp_size}: "
+                "choose a tensor-parallel size that divides the number of key/value heads, or a multiple of it"
+            )
         if tp_size >= total_num_kv_heads:
             self.num_kv_heads = 1
-            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+            self.num_kv_head_replicas = tp_size // total_num_kv_heads  # each KV head on several ranks
         else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_heads = total_num_kv_heads // tp_size
             self.num_kv_head_replicas = 1
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         super().__init__(
