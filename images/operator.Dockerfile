@@ -1,5 +1,5 @@
 # The Tessera operator. Build from the repository root:
-#   docker build -f images/operator.Dockerfile -t tessera/operator:0.1.0 .
+#   docker build -f images/operator.Dockerfile -t localhost/tessera/operator:0.1.0 .
 FROM python:3.11.11-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./

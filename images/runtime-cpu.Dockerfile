@@ -1,5 +1,5 @@
 # The Tessera runtime for CPU nodes (gloo). Build from the repository root:
-#   docker build -f images/runtime-cpu.Dockerfile -t tessera/runtime-cpu:0.1.0 .
+#   docker build -f images/runtime-cpu.Dockerfile -t localhost/tessera/runtime-cpu:0.1.0 .
 FROM python:3.11.11-slim-bookworm
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -1,5 +1,5 @@
 # The Tessera runtime for NVIDIA GPU nodes (NCCL). Build from the repository root:
-#   docker build -f images/runtime-cuda.Dockerfile -t tessera/runtime-cuda:0.1.0 .
+#   docker build -f images/runtime-cuda.Dockerfile -t localhost/tessera/runtime-cuda:0.1.0 .
 FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \

@@ -140,11 +140,12 @@ class TemplateSpec(Wire):
     """What every rank pod looks like; the user's fields are merged into the operator's pod."""
 
     image: str = Field(
-        default="tessera/runtime-cpu:0.1.0",
+        default="localhost/tessera/runtime-cpu:0.1.0",
         min_length=1,
         max_length=512,
         pattern=r"^\S+$",  # whitespace passes the API server and fails every pull on the node
-        description="Runtime image.",
+        description="Runtime image. The default names a local build (localhost/: no public registry "
+        "serves it, so a forgotten override fails to pull rather than pull a stranger's image).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy."

@@ -202,9 +202,9 @@ def test_the_image_defaults_to_the_charts_app_version_and_takes_pull_secrets() -
         [deploy] = [d for d in render(*sets) if d["kind"] == "Deployment"]
         return dict(deploy["spec"]["template"]["spec"])
 
-    assert pod()["containers"][0]["image"] == f"tessera/operator:{chart['appVersion']}"
+    assert pod()["containers"][0]["image"] == f"localhost/tessera/operator:{chart['appVersion']}"
     digest = "sha256:" + "a" * 64
-    assert pod(f"image.digest={digest}")["containers"][0]["image"] == f"tessera/operator@{digest}"
+    assert pod(f"image.digest={digest}")["containers"][0]["image"] == f"localhost/tessera/operator@{digest}"
     assert pod("imagePullSecrets[0].name=regcred")["imagePullSecrets"] == [{"name": "regcred"}]
 
 
