@@ -10,6 +10,7 @@ import zmq
 
 from tessera.distributed import rpc
 from tessera.engine import serialization
+from tessera.ports import free_port
 
 
 def rank_peer(context: zmq.Context, addr: str, rank: int) -> zmq.Socket:
@@ -109,4 +110,26 @@ def test_a_step_that_cannot_reach_a_started_rank_fails_the_engine_at_once(tmp_pa
         assert len(failures) == 1 and "rank 1 is unreachable: its EXECUTE message" in failures[0]
     finally:
         context.term()
+        channel.close()
+
+
+def test_a_rank_reaches_its_leader_over_ipv6_and_ipv4() -> None:
+    """Pods on IPv6-only clusters resolve the leader's name to an IPv6 address."""
+    got: list[int] = []
+    arrived = threading.Event()
+
+    def on_message(rank: int, kind: bytes, payload: object) -> None:
+        got.append(rank)
+        if len(got) == 2:
+            arrived.set()
+
+    port = free_port()
+    channel = rpc.LeaderChannel([f"tcp://*:{port}"], 3, on_message, lambda reason: None).start()
+    links = [rpc.WorkerLink(f"tcp://{host}:{port}", rank) for rank, host in ((1, "[::1]"), (2, "127.0.0.1"))]
+    try:
+        assert arrived.wait(10), f"only ranks {got} said HELLO"
+        assert sorted(set(got)) == [1, 2]
+    finally:
+        for link in links:
+            link.close()
         channel.close()

@@ -64,6 +64,7 @@ class LeaderChannel:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a missing rank raises
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.IPV6, 1)  # tcp://* on IPv6 and IPv4 (IPv4 alone where no IPv6)
         for addr in bind_addrs:
             self._router.bind(addr)
         self._wake_addr = f"{_WAKE}-{id(self)}"
@@ -192,6 +193,7 @@ class WorkerLink:
         self._dealer.setsockopt(zmq.IDENTITY, _identity(rank))
         self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._dealer.setsockopt(zmq.LINGER, 2000)
+        self._dealer.setsockopt(zmq.IPV6, 1)  # a leader's name may resolve to IPv6 only
         self._dealer.connect(addr)
         self._wake_addr = f"{_WAKE}-{id(self)}"
         self._inbox_sock = self._zmq.socket(zmq.PULL)
@@ -254,6 +256,9 @@ class WorkerLink:
                     "rank %d: the leader is gone (silent for %.0f s); exiting", self.rank, HEARTBEAT_TIMEOUT_S
                 )
                 os._exit(1)
+        # What send() queued just before close() still goes out: a failing rank's last FATAL.
+        while self._inbox_sock.poll(0):
+            self._dealer.send_multipart(self._inbox_sock.recv_multipart())
 
     def _receive(self, frames: list[bytes]) -> None:
         self._leader_seen = time.monotonic()
