@@ -44,6 +44,18 @@ def test_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_streamed_text_offsets_match_the_whole_answer_while_a_stop_string_holds_text_back(
+    client: openai.OpenAI,
+) -> None:
+    kwargs = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.0}
+    kwargs |= {"logprobs": 1, "stop": ["zz never"], "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert whole is not None and whole.text_offset is not None and len(whole.text_offset) == 12
+    assert [offset for lp in logprobs for offset in lp.text_offset or []] == whole.text_offset
+
+
 def test_stream_ends_with_done(server: ServerProcess) -> None:
     body = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "stream": True}
     with httpx.stream(

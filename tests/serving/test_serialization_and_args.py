@@ -119,6 +119,8 @@ def test_openai_requests_become_sampling_params() -> None:
     params = chat.to_sampling_params(default_max_tokens=100)
     assert (params.max_tokens, params.logprobs, params.greedy) == (9, 3, True)
     assert chat.chat_messages() == [{"role": "user", "content": "hi\nthere"}]
+    named = ChatCompletionRequest(messages=[{"role": "user", "name": "bob", "content": "hi"}])
+    assert named.chat_messages() == [{"role": "user", "content": "hi", "name": "bob"}]  # the template's
     assert (
         ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params(50).max_tokens
         == 50

@@ -36,10 +36,21 @@ class IncrementalDetokenizer:
         self.num_text_tokens = 0  # tokens that have text: all but a stop token left out (as vLLM)
         if self.rust_tokenizer is not None:
             self.stream: DecodeStream | None = DecodeStream(
-                ids=prompt_token_ids[-PRIMING_TOKENS:], skip_special_tokens=self.skip_special_tokens
+                ids=self._priming_ids(prompt_token_ids), skip_special_tokens=self.skip_special_tokens
             )
         else:
             self.stream = None
+
+    def _priming_ids(self, prompt_token_ids: list[int]) -> list[int]:
+        """The last prompt tokens before a whole character's end: a prompt of token ids may stop
+        inside a character, whose bytes would otherwise come out with the first output token."""
+        end = len(prompt_token_ids)
+        for _ in range(4):  # a UTF-8 character has at most 4 bytes
+            window = prompt_token_ids[max(0, end - PRIMING_TOKENS) : end]
+            if not window or not decode(self.tokenizer, window, self.skip_special_tokens).endswith("\ufffd"):
+                break
+            end -= 1
+        return prompt_token_ids[max(0, end - PRIMING_TOKENS) : end]
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Append tokens; returns the stop string if one now appears (the text is cut there).

@@ -364,7 +364,15 @@ class ChatCompletionRequest(SamplingFields):
         return self._sampling_params(max_tokens, logprobs)
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """What the chat template sees: each message's role and text, and its name when given
+        (templates that render speakers use it, as vLLM passes it)."""
+        messages = []
+        for m in self.messages:
+            message = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        return messages
 
 
 class TopLogprob(OpenAIModel):

@@ -171,7 +171,9 @@ async def _stream(
     created = int(time.time())
     prompt_tokens = sum(len(ids) for ids in token_lists)
     completion_tokens = 0
-    text_offsets: dict[int, int] = {}
+    # Where each choice's next token's text starts: the echo, then every token's text so far (as
+    # the non-streamed offsets count), not the text sent, which a possible stop string holds back.
+    token_offsets: dict[int, int] = {}
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
     def chunk(choice: CompletionChoice) -> str:
@@ -196,7 +198,7 @@ async def _stream(
     if body.echo:
         for prompt_index, text in enumerate(texts):
             for i in range(params.n):
-                text_offsets[prompt_index * params.n + i] = len(text or "")
+                token_offsets[prompt_index * params.n + i] = len(text or "")
             if body.logprobs is None:
                 for choice in echo(prompt_index, None):
                     yield chunk(choice)
@@ -218,12 +220,14 @@ async def _stream(
                 completion_tokens += len(completion.token_ids)
                 if not completion.text and completion.finish_reason is None and completion.logprobs is None:
                     continue
-                offset = text_offsets.get(index, 0)
-                text_offsets[index] = offset + len(completion.text)
+                offset = token_offsets.get(index, 0)
+                logprobs = completion_logprobs(completion, offset, tokenizer)
+                if logprobs is not None:
+                    token_offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
                 choice = CompletionChoice(
                     index=index,
                     text=completion.text,
-                    logprobs=completion_logprobs(completion, offset, tokenizer),
+                    logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
                 )
