@@ -330,6 +330,10 @@ class GroupStatus(Wire):
         default=None,
         description="First failure of restarts with no Ready run between (past the progress deadline: Stalled).",
     )
+    complete: bool | None = Field(
+        default=None,
+        description="Every rank's pod was seen since the group was last made: a pod missing now was taken away.",
+    )
 
 
 class Condition(Wire):

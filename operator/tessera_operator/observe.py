@@ -90,16 +90,24 @@ class GroupObservation:
                 return f"{name}: {problem}"
         return None
 
-    def failure(self) -> str | None:
-        """Why this group must restart, or None. A serving rank that exits at all has failed."""
-        for name in sorted(self.pods):
-            reason = pod_failure(self.pods[name])
-            if reason:
-                return f"{name}: {reason}"
+    def failure(self, was_complete: bool = True) -> str | None:
+        """Why this group must restart, or None. A serving rank that exits at all has failed.
+
+        Missing pods are a disruption only in a group that was complete (`was_complete`): in one
+        still being created (a quota or a policy refused some ranks) they are not there yet.
+        A pod evicted or deleted comes before any peer's exit: the leader exits non-zero soon
+        after a rank is taken away, and that is the eviction's doing, not a crash.
+        """
+        failures = [
+            f"{name}: {reason}" for name in sorted(self.pods) if (reason := pod_failure(self.pods[name]))
+        ]
+        evicted = next((failure for failure in failures if is_disruption(failure)), None)
+        if evicted is not None:
+            return evicted
         size = self.expected_size
-        if self.started and size is not None and len(self.pods) < size:
+        if was_complete and self.started and size is not None and len(self.pods) < size:
             return f"{POD_DELETED}: {size - len(self.pods)} of {size} pods missing"
-        return None
+        return failures[0] if failures else None
 
 
 # Container states that do not pass by waiting: a person (or a new spec) must act.
@@ -163,19 +171,23 @@ def controlled_by(pod: dict[str, Any], uid: str) -> bool:
     return any(o.get("controller") is True and o.get("uid") == uid for o in owners)
 
 
-def is_orphan(pod: dict[str, Any], cluster: str) -> bool:
-    """A rank pod of this cluster, by its labels and its very name, that no controller owns: what
-    `kubectl delete ic NAME --cascade=orphan` leaves for the next InferenceCluster of that name to
-    adopt. Any other pod that carries the labels (a client, a debug copy) is left alone."""
-    meta = pod["metadata"]
+def is_orphaned(obj: dict[str, Any], cluster: str) -> bool:
+    """An object this operator made for the cluster (its labels say so) that no controller owns:
+    what `kubectl delete ic NAME --cascade=orphan` leaves for the next InferenceCluster of that
+    name to adopt."""
+    meta = obj["metadata"]
     labels = meta.get("labels") or {}
     if meta.get("deletionTimestamp") or labels.get(naming.CLUSTER_LABEL) != cluster:
         return False
     if any(o.get("controller") is True for o in meta.get("ownerReferences") or []):
         return False
-    if any(labels.get(key) != value for key, value in naming.MANAGED_BY.items()):
-        return False
-    return rank_of(pod, cluster) is not None
+    return all(labels.get(key) == value for key, value in naming.MANAGED_BY.items())
+
+
+def is_orphan(pod: dict[str, Any], cluster: str) -> bool:
+    """An orphaned rank pod of this cluster, by its labels and its very name. Any other pod that
+    carries the labels (a client, a debug copy) is left alone."""
+    return is_orphaned(pod, cluster) and rank_of(pod, cluster) is not None
 
 
 def rank_of(pod: dict[str, Any], cluster: str) -> tuple[int, int, int] | None:

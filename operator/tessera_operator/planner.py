@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tessera_operator.api import GroupStatus, InferenceClusterSpec
 from tessera_operator.observe import GroupObservation, Observation, is_disruption
-from tessera_operator.restart import record_disruption, record_failure, seconds_until_restart
+from tessera_operator.restart import record_disruption, record_failure, seconds_until_restart, settled
 from tessera_operator.rollout import GroupState, choose_replacements, surge_count
 from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 
@@ -89,8 +89,13 @@ def plan(
                 result.events.append(Event("Normal", "GroupRemoved", f"removing {kind} {index}"))
             continue
         status = prior.get(index) or GroupStatus(index=index, revision=revision)
+        deleting = len(result.delete_pods)
         planned = _plan_group(spec, revision, obs, status, index in replacements, now, result)
         made_now = index in result.create_groups and not obs.pods
+        # Seen whole since it was last made: from then on, a missing pod was taken away.
+        taken_down = len(result.delete_pods) > deleting or made_now
+        whole = None if taken_down else (True if obs.complete else status.complete)
+        planned = planned.model_copy(update={"complete": whole})
         as_surge = index >= replicas and (made_now or _made_as_surge(status))
         planned = planned.model_copy(update={"surge": True if as_surge else None})
         result.groups.append(_with_start_problem(spec, obs, planned, now, result))
@@ -107,12 +112,19 @@ def _with_start_problem(
     """Records why the group's pods do not start, since when (its deadline makes the cluster
     Stalled), and says so once in a Warning Event."""
     problem = obs.start_problem() if status.phase in ("Pending", "Starting", "Updating") else None
+    announced = False
+    if problem is None and stuck_terminating(obs, now):
+        # A node that died takes its pods into Terminating for good: the group waits for a person
+        # (await_deletion's PodsStuckTerminating Event says how to help it).
+        names = ", ".join(sorted(obs.terminating))
+        problem, announced = f"waiting for {names} to terminate, past the grace period", True
     if problem is None:
         return status.model_copy(update={"start_problem": None, "start_problem_since": None})
     since = from_rfc3339(status.start_problem_since) if status.start_problem else None
     if since is None:
         since = now
-        result.events.append(Event("Warning", "PodsNotStarting", f"group {obs.index}: {problem}"))
+        if not announced:
+            result.events.append(Event("Warning", "PodsNotStarting", f"group {obs.index}: {problem}"))
     left = since + spec.rollout.progress_deadline_seconds - now
     if left > 0:
         result.requeue(left)  # to report the deadline when it passes
@@ -190,7 +202,9 @@ def _plan_group(
                 }
             )
 
-    failure = obs.failure()
+    # Only a group once seen whole lost pods when some are missing; one still being created
+    # waits for them (a quota refusing a rank is reported, not a restart storm).
+    failure = obs.failure(was_complete=bool(status.complete))
     if failure is not None and is_disruption(failure):
         disrupted = record_disruption(status, failure, now)
         result.delete_pods += sorted(obs.pods)
@@ -240,6 +254,8 @@ def _plan_group(
     ready = obs.leader_ready
     phase = "Ready" if ready else ("Starting" if obs.all_running else "Pending")
     ready_since = (status.ready_since or to_rfc3339(now)) if ready else None
+    if ready:
+        status = settled(status, now, spec.restart_policy)
     return status.model_copy(
         update={
             "phase": phase,
@@ -253,10 +269,15 @@ def _plan_group(
     )
 
 
+def stuck_terminating(obs: GroupObservation, now: float) -> bool:
+    """Some of the group's pods outlived their grace period while terminating."""
+    deadline = obs.terminating_deadline
+    return deadline is not None and now - deadline >= STUCK_TERMINATING_SECONDS
+
+
 def await_deletion(obs: GroupObservation, now: float, result: Plan) -> None:
     """Look again soon for the group's terminating pods; warn when they outlive their grace period."""
-    deadline = obs.terminating_deadline
-    if deadline is None or now - deadline < STUCK_TERMINATING_SECONDS:
+    if not stuck_terminating(obs, now):
         result.requeue(WAIT_FOR_DELETION_SECONDS)
         return
     result.requeue(WAIT_FOR_STUCK_SECONDS)

@@ -22,7 +22,7 @@ from typing import Any
 from tessera_operator import api, autoscaler, builders, naming
 from tessera_operator.api import AutoscalingStatus, InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
-from tessera_operator.observe import Observation, controlled_by, is_orphan, observe
+from tessera_operator.observe import Observation, controlled_by, is_orphan, is_orphaned, observe
 from tessera_operator.planner import Event, plan
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
@@ -138,13 +138,13 @@ class Reconciler:
         refused = await self.refused_writes(writes)
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
-            failed = degraded_status(status, generation, refused[0].reason, f"{refused[0]}{more}", now)
+            message = f"{refused[0]}{more}"
+            failed = degraded_status(status, generation, refused[0].reason, message, now, previous)
             await self.report(ic_path, ref, intent, failed)
         elif capped is not None:
             message = f"{errors[0]}; holding {capped.replicas} groups until it is lowered"
-            await self.report(
-                ic_path, ref, intent, degraded_status(status, generation, "InvalidSpec", message, now)
-            )
+            held = degraded_status(status, generation, "InvalidSpec", message, now, previous)
+            await self.report(ic_path, ref, intent, held)
         else:
             await self.write_status(ic_path, intent, status)
         log.debug(
@@ -272,9 +272,13 @@ class Reconciler:
         previous: InferenceClusterStatus,
         status: InferenceClusterStatus,
     ) -> None:
-        """Write a Degraded status; a Warning Event when it changed (not one per pass)."""
-        if await self.write_status(ic_path, previous, status):
-            degraded = next(c for c in status.conditions if c.type == "Degraded")
+        """Write a Degraded status; a Warning Event when the failure changed (not one per pass)."""
+        await self.write_status(ic_path, previous, status)
+        degraded = next(c for c in status.conditions if c.type == "Degraded")
+        before = next((c for c in previous.conditions if c.type == "Degraded"), None)
+        if before is None or (before.status, before.reason, before.message) != (
+            degraded.status, degraded.reason, degraded.message,
+        ):  # fmt: skip
             log.warning("%s/%s: %s: %s", ref.namespace, ref.name, degraded.reason, degraded.message)
             await self.post_events(ref, [Event("Warning", degraded.reason, degraded.message)])
 
@@ -314,7 +318,13 @@ class Reconciler:
             if current is None:
                 if not await self.create(path, desired):  # it exists, yet without our labels
                     await self.check_service_is_ours(ref, name)
-            elif service_drifted(current, desired):
+                continue
+            orphaned = is_orphaned(current, ref.name)
+            if not orphaned and not controlled_by(current, ref.uid):
+                raise not_ours(
+                    FAILED_CREATE, f"creating service {name}", "Service"
+                )  # our labels, another owner
+            if orphaned or service_drifted(current, desired):  # an orphan is adopted as it is repaired
                 try:
                     await self.repair_service(ref, current, desired)
                 except ApiError as exc:
@@ -334,11 +344,7 @@ class Reconciler:
                 return  # gone meanwhile: the next pass creates it
             raise
         if not controlled_by(service, ref.uid):
-            raise WriteRefused(
-                FAILED_CREATE,
-                f"creating service {name}: a Service of that name exists and is not this cluster's; "
-                "rename or delete it",
-            )
+            raise not_ours(FAILED_CREATE, f"creating service {name}", "Service")
 
     async def repair_service(
         self, ref: builders.ClusterRef, current: dict[str, Any], desired: dict[str, Any]
@@ -379,14 +385,20 @@ class Reconciler:
             if exc.status != 404:
                 raise refusal(FAILED_CREATE, f"reading poddisruptionbudget {ref.name}", exc) from exc
             current = None
-        if current is not None and not controlled_by(current, ref.uid):
-            return  # someone else's budget of that name: never ours to change
+        orphaned = current is not None and is_orphaned(current, ref.name)
+        if current is not None and not orphaned and not controlled_by(current, ref.uid):
+            what = f"updating poddisruptionbudget {ref.name}"
+            raise not_ours(FAILED_CREATE, what, "PodDisruptionBudget")  # it would guard our pods wrongly
         try:
             if desired is None:
                 if current is not None:
                     await self.client.delete(f"{path}/{ref.name}", uid=current["metadata"]["uid"])
             elif current is None:
                 await self.create(path, desired)
+            elif orphaned:  # left by an orphaning delete: adopted, with this cluster's budget
+                owners = [*(current["metadata"].get("ownerReferences") or []), builders.owner_reference(ref)]
+                body = {"metadata": {"uid": current["metadata"]["uid"], "ownerReferences": owners}}
+                await self.client.merge_patch(f"{path}/{ref.name}", {**body, "spec": desired["spec"]})
             elif budget_drifted(current["spec"], desired["spec"]):
                 await self.client.merge_patch(f"{path}/{ref.name}", {"spec": desired["spec"]})
         except ApiError as exc:
@@ -449,6 +461,12 @@ def refusal(reason: str, what: str, exc: ApiError) -> Exception:
     if exc.status in RETRYABLE or exc.status < 400:
         return exc
     return WriteRefused(reason, f"{what}: {exc}")
+
+
+def not_ours(reason: str, what: str, kind: str) -> WriteRefused:
+    return WriteRefused(
+        reason, f"{what}: a {kind} of that name exists and is not this cluster's; rename or delete it"
+    )
 
 
 def budget_drifted(current: dict[str, Any], desired: dict[str, Any]) -> bool:

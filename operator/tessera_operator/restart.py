@@ -41,6 +41,16 @@ def record_failure(group: GroupStatus, reason: str, now: float, policy: RestartP
     )
 
 
+def settled(group: GroupStatus, now: float, policy: RestartPolicySpec) -> GroupStatus:
+    """A group Ready for `resetAfterSeconds` has left its crash loop behind: its restart count
+    and backoff start over now (status says so), not only at its next failure, which a drain or
+    a rollout in between would otherwise keep from ever seeing the long Ready run."""
+    ready_since = from_rfc3339(group.ready_since)
+    if group.restarts == 0 or ready_since is None or now - ready_since < policy.reset_after_seconds:
+        return group
+    return group.model_copy(update={"restarts": 0, "backoff_seconds": None})
+
+
 def seconds_until_restart(group: GroupStatus, now: float) -> float:
     deadline = from_rfc3339(group.next_restart_time)
     return 0.0 if deadline is None else max(deadline - now, 0.0)

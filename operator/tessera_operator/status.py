@@ -176,25 +176,49 @@ def build_status(
     )
 
 
+# Degraded and the kstatus conditions derived from it.
+FAILURE_CONDITIONS = frozenset({"Degraded", "Stalled", "Reconciling"})
+
+
+def _with_previous_failure(
+    status: InferenceClusterStatus, previous: InferenceClusterStatus | None
+) -> list[Condition]:
+    """`status`'s conditions with Degraded, Stalled and Reconciling as `previous` had them."""
+    if previous is None:
+        return list(status.conditions)
+    kept = [c for c in previous.conditions if c.type in FAILURE_CONDITIONS]
+    kept_types = {c.type for c in kept}
+    return [c for c in status.conditions if c.type not in kept_types] + kept
+
+
 def degraded_status(
-    status: InferenceClusterStatus, generation: int | None, reason: str, message: str, now: float
+    status: InferenceClusterStatus,
+    generation: int | None,
+    reason: str,
+    message: str,
+    now: float,
+    previous: InferenceClusterStatus | None = None,
 ) -> InferenceClusterStatus:
-    """`status` with Degraded=True saying why the operator cannot act (InvalidSpec, FailedCreate, ...)."""
+    """`status` with Degraded=True saying why the operator cannot act (InvalidSpec, FailedCreate, ...).
+
+    Judged against `previous` (the status at the start of the pass): a failure reported again
+    keeps its transition times, so a pass that meets the same refusal writes nothing (a write
+    would echo back as a watch event and start the next pass at once).
+    """
     condition = Condition(
         type="Degraded", status="True", reason=reason, message=message, observed_generation=generation
     )
+    conditions = set_condition(_with_previous_failure(status, previous), condition, now)
     return status.model_copy(
-        update={
-            "observed_generation": generation,
-            "conditions": with_kstatus(set_condition(status.conditions, condition, now), generation, now),
-        }
+        update={"observed_generation": generation, "conditions": with_kstatus(conditions, generation, now)}
     )
 
 
 def keep_degraded(
     status: InferenceClusterStatus, previous: InferenceClusterStatus, reasons: frozenset[str]
 ) -> InferenceClusterStatus:
-    """`status` with the previous Degraded condition when it had one of `reasons`.
+    """`status` with the previous Degraded (and the Stalled and Reconciling it implied) when it
+    had one of `reasons`.
 
     An intent write made before a pass's writes must not clear a failure those writes may
     report again at the end of the pass (the condition would flap, with an Event each pass).
@@ -202,9 +226,7 @@ def keep_degraded(
     old = next((c for c in previous.conditions if c.type == "Degraded" and c.reason in reasons), None)
     if old is None or old.status != "True":
         return status
-    return status.model_copy(
-        update={"conditions": [c for c in status.conditions if c.type != "Degraded"] + [old]}
-    )
+    return status.model_copy(update={"conditions": _with_previous_failure(status, previous)})
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

@@ -84,6 +84,13 @@ def test_backoff_resets_after_the_group_stayed_ready_long_enough() -> None:
     assert sim.status.groups[0].restarts == 3
     sim.now += 61
     sim.step()
+    # Status says so at once (not only at the next failure), so a drain or a rollout before
+    # that failure cannot carry the old crash loop's backoff over.
+    assert sim.status.groups[0].restarts == 0 and sim.status.groups[0].backoff_seconds is None
+    del sim.pods["demo-g0-s1-t1"]  # a drain: the group restarts at once, and is Ready again
+    sim.step()
+    sim.converge()
+    sim.now += 5
     sim.fail("demo-g0-s0-t0")
     sim.step()
     assert sim.status.groups[0].restarts == 1 and sim.status.groups[0].backoff_seconds == 1
@@ -99,6 +106,43 @@ def test_a_deleted_pod_of_a_running_group_restarts_the_group_but_a_missing_one_a
     decision = sim.step()
     assert len(decision.delete_pods) == 3
     assert "PodDeleted" in (sim.status.groups[0].last_failure or "")
+
+
+def test_ranks_refused_at_creation_are_awaited_not_a_restart_storm() -> None:
+    """A quota (or a policy) lets 3 of 4 ranks in: they start, and the fourth is created again at
+    each pass; the group is not torn down as if a rank had been taken away."""
+    sim = Sim(spec_of())
+    sim.step()
+    del sim.pods["demo-g0-s1-t1"]  # the API server refused it
+    for _ in range(4):
+        sim.run_all(ready=False)
+        decision = sim.step()
+        del sim.pods["demo-g0-s1-t1"]  # refused again
+        assert decision.delete_pods == [] and decision.create_groups == [0]
+        assert sim.status.groups[0].restarts == 0 and "GroupDisrupted" not in [
+            e.reason for e in decision.events
+        ]
+
+
+def test_an_eviction_is_a_disruption_even_when_the_leader_exited_first() -> None:
+    """Taking a rank away makes its leader exit non-zero within seconds: that exit is the
+    eviction's doing, and the group restarts at once, without a crash's backoff."""
+    for taken in ("evicted", "deleted"):
+        sim = Sim(spec_of(restartPolicy={"backoffBaseSeconds": 30}))
+        sim.converge()
+        if taken == "evicted":
+            sim.pods["demo-g0-s1-t0"]["status"] = {
+                "phase": "Failed",
+                "reason": "Evicted",
+                "message": "low memory",
+            }
+        else:
+            del sim.pods["demo-g0-s1-t0"]
+        sim.fail("demo-g0-s0-t0")  # the leader noticed first
+        decision = sim.step()
+        group = sim.status.groups[0]
+        assert "GroupDisrupted" in [e.reason for e in decision.events], taken
+        assert group.restarts == 0 and group.backoff_seconds == 0, taken
 
 
 def test_an_evicted_rank_restarts_its_group_at_once_and_repeated_drains_grow_no_backoff() -> None:
@@ -371,3 +415,24 @@ def test_a_scale_down_removes_the_highest_group_even_with_surge_allowed_and_a_gr
         f"demo-g2-s{s}-t{t}" for s in range(2) for t in range(2)
     ]
     assert set(sim.groups()) == {0, 1} and sim.last.surge == 0
+
+
+def test_a_group_whose_pods_are_stuck_terminating_on_a_dead_node_becomes_stalled() -> None:
+    """The taint manager deletes a dead node's pods, which stay Terminating (no kubelet confirms):
+    the group waits for a person, and status says so (Degraded, then Stalled past the deadline)."""
+    sim = Sim(spec_of(replicas=2, parallelism={"tensor": 4, "pipeline": 1}))
+    sim.converge()
+    start = sim.now
+    for name, pod in sim.pods.items():
+        if "-g1-" in name:
+            pod["metadata"]["deletionTimestamp"] = to_rfc3339(start + 30)
+    for minutes, reason in ((1, "AsExpected"), (5, "PodsNotStarting"), (15, "ProgressDeadlineExceeded")):
+        sim.now = start + minutes * 60
+        sim.step()
+        # The API server refuses pods under the stuck names (409): only the stuck ones remain.
+        sim.pods = {
+            n: p for n, p in sim.pods.items() if "-g1-" not in n or "deletionTimestamp" in p["metadata"]
+        }
+        assert sim.condition("Degraded").reason == reason, minutes
+    assert "to terminate" in (sim.status.groups[1].start_problem or "")
+    assert sim.condition("Stalled").status == "True"

@@ -192,7 +192,8 @@ async def test_a_refused_pod_create_is_reported_once_and_cleared_when_it_succeed
     client.refuse_pods = ApiError(
         422, {"message": 'Pod "demo-g0-s0-t0" is invalid: spec.tolerations[0].operator'}
     )
-    reconciler = Reconciler(client, resync_seconds=9, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    now = [1000.0]
+    reconciler = Reconciler(client, resync_seconds=9, clock=lambda: now[0])  # type: ignore[arg-type]
     assert await reconciler.reconcile("ns", "demo") == 9
     condition = degraded(client)
     assert condition["status"] == "True" and condition["reason"] == "FailedCreate"
@@ -200,8 +201,20 @@ async def test_a_refused_pod_create_is_reported_once_and_cleared_when_it_succeed
         "creating pod demo-g0-s0-t0: 422" in condition["message"] and "(and 3 more)" in condition["message"]
     )
     assert [e["reason"] for e in client.events] == ["FailedCreate"]
+    status_writes: list[Any] = []
+    write = client.merge_patch
+
+    async def counting(path: str, body: Any) -> Any:
+        if path.endswith("/status"):
+            status_writes.append(body)
+        return await write(path, body)
+
+    client.merge_patch = counting  # type: ignore[method-assign]
+    now[0] += 30
     await reconciler.reconcile("ns", "demo")
-    assert len(client.events) == 1  # the same failure again: no Event per pass
+    # The same failure again: no Event, and no status write, which would come back as a watch
+    # event and start the next pass at once (a hot loop while a quota stays full).
+    assert len(client.events) == 1 and status_writes == []
     client.refuse_pods = None
     await reconciler.reconcile("ns", "demo")
     assert degraded(client)["status"] == "False" and len([p for p in client.objects if "/pods/" in p]) == 4
@@ -363,21 +376,40 @@ async def test_leaders_that_never_answer_are_reported_once_not_silently_left_uns
 
 
 async def test_pods_an_orphaning_delete_left_are_adopted_by_the_next_cluster_of_that_name() -> None:
-    client = fake_with_cluster(replicas=1)
+    client = fake_with_cluster(replicas=2)
     reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
     await reconciler.reconcile("ns", "demo")
     run_all(client)
-    # `kubectl delete ic demo --cascade=orphan`, then the same manifest applied again.
-    pods = {path: obj for path, obj in client.objects.items() if path.startswith(PODS)}
-    for pod in pods.values():
-        pod["metadata"]["ownerReferences"] = []
+    await reconciler.reconcile("ns", "demo")
+    # `kubectl delete ic demo --cascade=orphan` (every dependent loses its owner), then the
+    # manifest applied again; the old budget was a larger cluster's.
+    dependents = {
+        path: obj
+        for path, obj in client.objects.items()
+        if path.startswith(PODS) or "/services/" in path or "/poddisruptionbudgets/" in path
+    }
+    assert sum("/poddisruptionbudgets/" in path for path in dependents) == 1
+    for obj in dependents.values():
+        obj["metadata"]["ownerReferences"] = []
     client.objects[IC_PATH]["metadata"]["uid"] = "ic-uid-2"
+    budget = next(obj for path, obj in dependents.items() if "/poddisruptionbudgets/" in path)
+    budget["spec"]["minAvailable"] = 15
+    pods = {path: pod for path, pod in dependents.items() if path.startswith(PODS)}
     uids = {path: pod["metadata"]["uid"] for path, pod in pods.items()}
     await reconciler.reconcile("ns", "demo")
-    owners = {path: [o["uid"] for o in pod["metadata"]["ownerReferences"]] for path, pod in pods.items()}
+    owners = {
+        path: [o["uid"] for o in client.objects[path]["metadata"]["ownerReferences"]]
+        for path in dependents
+        if path in client.objects
+    }
+    # Pods, Services and the disruption budget are all adopted: none is left for nobody to delete.
     assert set(map(tuple, owners.values())) == {("ic-uid-2",)}
     assert {path: client.objects[path]["metadata"]["uid"] for path in pods} == uids  # kept, not recreated
-    assert sum(e["reason"] == "Adopted" for e in client.events) == 4
+    assert sum(e["reason"] == "Adopted" for e in client.events) == 8
+    budget = next(obj for path, obj in client.objects.items() if "/poddisruptionbudgets/" in path)
+    assert budget["spec"]["minAvailable"] == 7  # this cluster's, not the old 15 that blocked every drain
+    run_all(client)
+    await reconciler.reconcile("ns", "demo")
     assert group_phase(client) == "Ready"
 
 
@@ -404,3 +436,24 @@ async def test_another_applications_service_under_the_clusters_name_is_reported_
     assert degraded(client)["reason"] == "FailedCreate"
     assert "a Service of that name exists and is not this cluster's" in degraded(client)["message"]
     assert client.objects["/api/v1/namespaces/ns/services/demo"]["spec"]["selector"] == {"app": "web"}
+
+
+async def test_a_service_with_the_clusters_label_but_another_owner_is_not_taken_over() -> None:
+    client = fake_with_cluster()
+    theirs = [{"apiVersion": "apps/v1", "kind": "Deployment", "name": "gw", "uid": "gw", "controller": True}]
+    client.objects["/api/v1/namespaces/ns/services/demo"] = {
+        "metadata": {
+            "name": "demo",
+            "namespace": "ns",
+            "uid": "theirs",
+            "labels": {"tessera.dev/cluster": "demo"},
+            "ownerReferences": theirs,
+        },
+        "spec": {"type": "LoadBalancer", "selector": {"app": "gateway"}},
+    }
+    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    assert "a Service of that name exists and is not this cluster's" in degraded(client)["message"]
+    service = client.objects["/api/v1/namespaces/ns/services/demo"]
+    assert service["metadata"]["ownerReferences"] == theirs and service["spec"]["selector"] == {
+        "app": "gateway"
+    }

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -170,3 +173,30 @@ def test_killed_engine_core_fails_the_caller_and_exits_the_server(small_server: 
     with contextlib.suppress(httpx.TransportError):  # already gone is fine too
         assert httpx.get(f"{small_server.base_url}/health", timeout=2).status_code == 503
     assert small_server.proc.wait(timeout=30) != 0
+
+
+def test_a_server_whose_start_fails_after_the_engine_core_started_exits(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The engine core loads the model, then the frontend fails (here, on a broken
+    generation_config.json): the server must exit non-zero, not wait for its engine core process
+    forever (a pod that stays Running instead of restarting)."""
+    broken = tmp_path / "broken-generation-config"
+    shutil.copytree(tiny_llama_dir, broken)
+    (broken / "generation_config.json").write_text("{not json")
+    command = [
+        sys.executable,
+        "-m",
+        "tessera.cli",
+        "serve",
+        str(broken),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert done.returncode != 0
+    assert b"JSONDecodeError" in done.stderr + done.stdout

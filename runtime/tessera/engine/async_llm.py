@@ -73,14 +73,20 @@ class AsyncLLM:
         with ThreadPoolExecutor(1) as pool:
             tokenizer = pool.submit(load_tokenizer, self.model_dir)
             self.core = AsyncMPClient(config, engine_core_cls)
-            self.max_model_len = int(self.core.ready_info["max_model_len"])
-            self.processor = InputProcessor(
-                tokenizer.result(),
-                self.max_model_len,
-                extra_eos_token_ids=generation_eos_token_ids(self.model_dir),
-                vocab_size=model_vocab_size(self.model_dir),
-                max_prompt_len=max_prompt_tokens(config, self.max_model_len),
-            )
+            try:
+                self.max_model_len = int(self.core.ready_info["max_model_len"])
+                self.processor = InputProcessor(
+                    tokenizer.result(),
+                    self.max_model_len,
+                    extra_eos_token_ids=generation_eos_token_ids(self.model_dir),
+                    vocab_size=model_vocab_size(self.model_dir),
+                    max_prompt_len=max_prompt_tokens(config, self.max_model_len),
+                )
+            except BaseException:
+                # The engine core process is not a daemon: left running, the server would wait
+                # for it at exit forever (a pod Running instead of crash-looping).
+                self.core.shutdown()
+                raise
         self.tokenizer = self.processor.tokenizer
         # One thread: the tokenizer is not safe to call from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenizer")

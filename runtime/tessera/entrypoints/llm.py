@@ -25,13 +25,18 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.config = EngineConfig(model=model, **engine_args)
         self.engine = EngineCore(self.config)
-        self.input_processor = InputProcessor.from_model_dir(
-            self.engine.model_dir, self.engine.max_model_len, self.config
-        )
+        # Rank processes and their IPC folder go with this object (or at interpreter exit), and
+        # with a constructor that fails from here on.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        try:
+            self.input_processor = InputProcessor.from_model_dir(
+                self.engine.model_dir, self.engine.max_model_len, self.config
+            )
+        except BaseException:
+            self._finalizer()
+            raise
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self._request_counter = itertools.count()
-        # Rank processes and their IPC folder go with this object (or at interpreter exit).
-        self._finalizer = weakref.finalize(self, self.engine.shutdown)
 
     def shutdown(self) -> None:
         """Stop the engine (its rank processes, for a parallel layout); idempotent."""
