@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pydantic import ValidationError
+
 from tessera_operator import api, autoscaler, builders, naming
 from tessera_operator.api import AutoscalingStatus, InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
@@ -59,7 +61,8 @@ class Reconciler:
         self.clock = clock
         self.policy = policy or PodPolicy()
         self.autoscale_interval = autoscale_interval
-        self._scale_histories: dict[str, autoscaler.History] = {}  # by cluster uid
+        # By cluster: a cluster deleted and made again under its name starts a history of its own.
+        self._scale_histories: dict[builders.ClusterRef, autoscaler.History] = {}
         self._policy_version: str | None = None  # of PodDisruptionBudgets, once discovered
         # Occurrences of each Event this process posted (by name, least recent first), so a
         # repeat bumps the count; bounded like client-go's correlator cache.
@@ -72,14 +75,22 @@ class Reconciler:
             ic = await self.client.get(ic_path)
         except ApiError as exc:
             if exc.status == 404:
+                self._forget(namespace, name)
                 return None
             raise
         meta = ic["metadata"]
         if meta.get("deletionTimestamp"):
+            self._forget(namespace, name)
             return None  # the garbage collector removes what we own
         ref = builders.ClusterRef(name, namespace, meta["uid"])
         generation = meta.get("generation")
-        previous = InferenceClusterStatus.model_validate(ic.get("status") or {})
+        try:
+            previous = InferenceClusterStatus.model_validate(ic.get("status") or {})
+        except ValidationError as exc:
+            # A status this operator cannot read (one written by a newer version): start afresh
+            # rather than fail every pass with no condition to say why.
+            log.warning("%s/%s: unreadable status, rebuilt from the pods: %s", namespace, name, exc)
+            previous = InferenceClusterStatus()
         now = self.clock()
 
         errors = validate_object(name, ic.get("spec") or {}, self.policy)
@@ -157,8 +168,14 @@ class Reconciler:
             log.info("%s/%s: %s", namespace, name, "; ".join(e.message for e in decision.events))
         if refused:  # e.g. a quota that may free up, or a fixed spec: look again at the resync
             return self.resync_seconds
-        return min(decision.requeue_after or self.resync_seconds, next_sample or self.resync_seconds,
-                   self.resync_seconds)  # fmt: skip
+        # `is None`, not `or`: a requeue of 0.0 (a group to recreate at once) is a time, not "none".
+        waits = [w for w in (decision.requeue_after, next_sample) if w is not None]
+        return min([*waits, self.resync_seconds])
+
+    def _forget(self, namespace: str, name: str) -> None:
+        """Drop what this process keeps about a cluster that is gone."""
+        for ref in [r for r in self._scale_histories if (r.namespace, r.name) == (namespace, name)]:
+            del self._scale_histories[ref]
 
     async def autoscale(
         self,
@@ -174,9 +191,9 @@ class Reconciler:
         scale subresource, as the HPA would. Returns the status to write and when to sample next."""
         settings = spec.autoscaling
         if settings is None or not settings.enabled:
-            self._scale_histories.pop(ref.uid, None)
+            self._scale_histories.pop(ref, None)
             return status, None
-        history = self._scale_histories.setdefault(ref.uid, autoscaler.History())
+        history = self._scale_histories.setdefault(ref, autoscaler.History())
         autoscaler.seed(history, now, spec.replicas)
         if history.last_sample is not None and now - history.last_sample < self.autoscale_interval:
             kept = status.model_copy(update={"autoscaling": previous.autoscaling})

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     logprob: float
-    rank: int | None = None  # 1 = most likely; None when the sampled token was outside the top-k
+    rank: int | None = None  # 1 = most likely, in the whole vocabulary (tokens at least as likely)
     decoded_token: str | None = None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # top logprobs per token the engine returns at most (vLLM's default cap)
@@ -52,6 +53,22 @@ class SamplingParams:
         def fail(message: str) -> None:  # every message starts with its parameter's name
             raise InvalidParameterError(message.split(" ", 1)[0], message)
 
+        # NaN passes every comparison below as if in range, and sampling then draws garbage.
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                fail(f"{name} must be a finite number, got {value!r}")
+        for name in ("min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                fail(f"{name} must be an integer, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             fail(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0.0:

@@ -285,6 +285,13 @@ def test_a_stop_token_ends_the_output_without_its_text_and_min_tokens_holds_off_
         {"seed": 2**70},  # a generator's seed is 64 bits: refused here, not by the runner
         {"seed": 2**64 - 1, "n": 2},  # the second sample's derived seed would not fit
         {"seed": -(2**63) - 1},
+        # NaN passes a range check as if inside it; the offline API has no schema in front.
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"repetition_penalty": float("nan")},
+        {"top_p": float("nan")},
+        {"min_tokens": 2.5},
+        {"logprobs": True},
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs):

@@ -38,9 +38,14 @@ def test_prompt_logprobs_equal_transformers_across_chunks_and_cached_prefixes(ti
         got = torch.tensor([entry[token].logprob for entry, token in zip(entries[1:], ids[1:], strict=True)])
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
         for entry, token in zip(entries[1:], ids[1:], strict=True):
-            top = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank or 0)
-            assert [lp.rank for lp in top] == list(range(1, len(top) + 1)) and len(top) == 3
+            own = entry[token]
+            others = [lp for top_id, lp in entry.items() if top_id != token]
+            top = sorted([*others, *([own] if len(others) < 3 else [])], key=lambda lp: lp.rank or 0)
+            assert [lp.rank for lp in top] == [1, 2, 3]
             assert all(a.logprob >= b.logprob for a, b in itertools.pairwise(top))
+            # The prompt token's own rank is in the whole vocabulary, inside the top or not.
+            assert own.rank is not None and (own.rank <= 3) == (len(others) < 3)
+            assert own.rank > 3 or own is top[own.rank - 1]
             assert entry[token].decoded_token == tokenizer.decode([token])
             assert math.isfinite(entry[token].logprob)
         # The completion is the one a request without prompt logprobs gets.

@@ -175,6 +175,10 @@ def test_a_refused_prompt_registers_no_block_a_concurrent_request_could_reuse(ti
         alone = _greedy_tokens(engine, [("b", [*shared, 40, 41, 42])])["b"]
         with pytest.raises(RequestRejected, match=r"token ids must be in \[0, 512\)"):
             engine.add_request(engine_request("a", [*shared, 100_000]))
+        # A wire message of the wrong types is refused the same way, not a TypeError that stops the core.
+        for malformed in ([*shared, None], "not a list", 7):
+            with pytest.raises(RequestRejected):
+                engine.add_request(engine_request("c", malformed))  # type: ignore[arg-type]
         assert _greedy_tokens(engine, [("b2", [*shared, 40, 41, 42])])["b2"] == alone
         assert engine.scheduler.kv.usage == 0.0
     finally:

@@ -457,3 +457,11 @@ async def test_a_service_with_the_clusters_label_but_another_owner_is_not_taken_
     assert service["metadata"]["ownerReferences"] == theirs and service["spec"]["selector"] == {
         "app": "gateway"
     }
+
+
+async def test_a_status_this_operator_cannot_read_is_rebuilt_not_a_failure_every_pass() -> None:
+    client = fake_with_cluster()
+    client.objects[IC_PATH]["status"] = {"groups": [{"index": "zero", "phase": "FromTheFuture"}]}
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    assert group_phase(client) == "Pending" and len([p for p in client.objects if p.startswith(PODS)]) == 4

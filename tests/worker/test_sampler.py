@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tessera.sampling_params import SamplingParams
-from tessera.worker.sampler import Sampler, SamplingMetadata, apply_penalties
+from tessera.worker.sampler import Sampler, SamplingMetadata, apply_penalties, logprobs_of
 
 VOCAB = 1000
 
@@ -184,6 +184,22 @@ def test_min_p_restricts_support() -> None:
     drawn = set(many_draws(logits, SamplingParams(temperature=1.0, min_p=0.2)).tolist())
     assert drawn <= allowed
     assert len(drawn) > 1
+
+
+def test_a_tokens_rank_counts_the_whole_vocabulary_not_the_top_k_asked_for() -> None:
+    raw = torch.tensor([[-1.0, -3.0, -0.5, -2.0, -3.0], [-1.0, -3.0, -0.5, -2.0, -3.0]])
+    _, top_ids, _, ranks = logprobs_of(raw, torch.tensor([1, 2]), 1)
+    assert top_ids.tolist() == [[2], [2]]
+    assert ranks.tolist() == [5, 1]  # ties count as at least as likely, as vLLM's rank does
+
+
+def test_min_p_comes_before_top_p_as_in_vllm() -> None:
+    # p = 0.5, 0.3, then twenty of 0.01: min-p 0.5 keeps tokens 0 and 1 (0.625 and 0.375 after
+    # renormalising), and top-p 0.6 of those token 0 alone. Top-p first would keep tokens 0 and 1
+    # (0.5 + 0.3 reach 0.6), and min-p then both.
+    probs = torch.tensor([[0.5, 0.3] + [0.01] * 20])
+    drawn = set(many_draws(probs.log(), SamplingParams(temperature=1.0, top_p=0.6, min_p=0.5)).tolist())
+    assert drawn == {0}
 
 
 def test_penalties_match_hand_computation() -> None:

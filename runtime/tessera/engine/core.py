@@ -63,14 +63,15 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; RequestRejected (nothing changed) if it can never run here."""
+        checked = Request.from_engine_core_request(request)  # the fields' types first: a wire message
         # Checked before any block is allocated: a prompt the runner refuses would leave blocks
         # registered in the prefix cache that nobody writes.
-        outside = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        outside = [t for t in checked.prompt_token_ids if not 0 <= t < self.vocab_size]
         if outside:
             raise RequestRejected(
                 f"prompt token ids must be in [0, {self.vocab_size}) for this model, got {outside[:5]}"
             )
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        self.scheduler.add_request(checked)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -33,6 +33,7 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int = 0  # of its own token among the whole vocabulary (1 = most likely; 0: not computed)
 
 
 @dataclass

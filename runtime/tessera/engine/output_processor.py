@@ -216,7 +216,7 @@ class OutputProcessor:
             sequence.cumulative_logprob += token_logprobs.logprob
 
     def _logprob_entry(self, token_id: int, token_logprobs: TokenLogprobs, count: int) -> dict[int, Logprob]:
-        """The `count` most likely tokens and `token_id` itself (its rank when among the top)."""
+        """The `count` most likely tokens and `token_id` itself, with its rank in the vocabulary."""
         entry: dict[int, Logprob] = {}
         top_ids = token_logprobs.top_token_ids[:count]
         for rank, (top_id, top_lp) in enumerate(
@@ -224,11 +224,8 @@ class OutputProcessor:
         ):
             entry[top_id] = Logprob(top_lp, rank + 1, decode(self.tokenizer, [top_id]))
         if token_id not in entry:
-            rank_of_token = None
-            if token_id in token_logprobs.top_token_ids:
-                rank_of_token = token_logprobs.top_token_ids.index(token_id) + 1
             entry[token_id] = Logprob(
-                token_logprobs.logprob, rank_of_token, decode(self.tokenizer, [token_id])
+                token_logprobs.logprob, token_logprobs.rank or None, decode(self.tokenizer, [token_id])
             )
         return entry
 

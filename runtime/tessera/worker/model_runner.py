@@ -365,7 +365,7 @@ class ModelRunner:
             ]
         )
         num_top = max(span[4] for span in spans)
-        scored: list[tuple[float, list[int], list[float]]] = []
+        scored: list[tuple[float, list[int], list[float], int]] = []
         for begin in range(0, len(rows), PROMPT_LOGITS_ROWS):  # bounds the [rows, vocab] logits
             logits = self.model.compute_logits(
                 hidden_states[rows[begin : begin + PROMPT_LOGITS_ROWS].to(self.device)]
@@ -379,8 +379,8 @@ class ModelRunner:
         result, taken = {}, 0
         for request_id, first, _, count, top in spans:
             entries = [
-                TokenLogprobs(logprob=lp, top_token_ids=ids[:top], top_logprobs=lps[:top])
-                for lp, ids, lps in scored[taken : taken + count]
+                TokenLogprobs(logprob=lp, top_token_ids=ids[:top], top_logprobs=lps[:top], rank=rank)
+                for lp, ids, lps, rank in scored[taken : taken + count]
             ]
             taken += count
             if request_id not in self.failed:
@@ -441,11 +441,16 @@ def _token_logprobs(output: SamplerOutput | None) -> list[TokenLogprobs] | None:
         or output.logprobs is None
         or output.top_token_ids is None
         or output.top_logprobs is None
+        or output.ranks is None
     ):
         return None
     return [
-        TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=lps)
-        for lp, ids, lps in zip(
-            output.logprobs.tolist(), output.top_token_ids.tolist(), output.top_logprobs.tolist(), strict=True
+        TokenLogprobs(logprob=lp, top_token_ids=ids, top_logprobs=lps, rank=rank)
+        for lp, ids, lps, rank in zip(
+            output.logprobs.tolist(),
+            output.top_token_ids.tolist(),
+            output.top_logprobs.tolist(),
+            output.ranks.tolist(),
+            strict=True,
         )
     ]

@@ -112,6 +112,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] float32, of the sampled token under the raw logits
     top_token_ids: torch.Tensor | None = None  # [B, max_num_logprobs] int64, most likely first
     top_logprobs: torch.Tensor | None = None  # [B, max_num_logprobs] float32
+    ranks: torch.Tensor | None = None  # [B] int64, of the sampled token in the whole vocabulary
 
 
 class Sampler(torch.nn.Module):
@@ -143,21 +144,27 @@ class Sampler(torch.nn.Module):
 
         if raw_logprobs is None or metadata.max_num_logprobs is None:
             return SamplerOutput(sampled_token_ids=sampled)
-        logprobs, top_token_ids, top_logprobs = logprobs_of(raw_logprobs, sampled, metadata.max_num_logprobs)
+        logprobs, top_token_ids, top_logprobs, ranks = logprobs_of(
+            raw_logprobs, sampled, metadata.max_num_logprobs
+        )
         return SamplerOutput(
             sampled_token_ids=sampled,
             logprobs=logprobs,
             top_token_ids=top_token_ids,
             top_logprobs=top_logprobs,
+            ranks=ranks,
         )
 
 
 def logprobs_of(
     raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: the logprob of its token, and its `num_top` most likely tokens (ids, logprobs)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the logprob of its token, its `num_top` most likely tokens (ids, logprobs), and its
+    token's rank in the whole vocabulary (tokens at least as likely, itself included, as vLLM)."""
     top_logprobs, top_token_ids = raw_logprobs.topk(min(num_top, raw_logprobs.shape[1]), dim=-1)
-    return raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1), top_token_ids, top_logprobs
+    token_logprobs = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (raw_logprobs >= token_logprobs.unsqueeze(1)).sum(dim=-1)
+    return token_logprobs, top_token_ids, top_logprobs, ranks
 
 
 def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -249,12 +256,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one draw per row (greedy rows get temperature 1)."""
+    """Temperature, min-p, top-k, top-p (vLLM V1's order: top-p's nucleus is of what min-p kept),
+    then one draw per row (greedy rows get temperature 1)."""
     temperature = torch.where(metadata.temperature > 0.0, metadata.temperature, 1.0)
     logits = logits / temperature.unsqueeze(1)
-    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
+    logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     probs = logits.softmax(dim=-1)
     return exponential_race(probs, metadata.generators)
 
