@@ -16,6 +16,7 @@ from tessera_operator.api import AutoscalingSpec
 from tessera_operator.autoscaler import History, QueueSample, decide, parse_gauge, recommend, sample_of, seed
 from tessera_operator.queue_metrics import MAX_BODY_BYTES, metrics_url, queue_depths
 from tessera_operator.reconcile import Reconciler
+from tests.fixtures.loopback_http import serving
 from tests.operator.test_reconcile_unit import IC_PATH, fake_with_cluster
 
 METRIC = "tessera:num_requests_waiting"
@@ -149,13 +150,8 @@ async def metrics_server() -> AsyncIterator[tuple[int, dict[str, Any]]]:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield port, answer
-    await runner.cleanup()
+    async with serving(app) as port:
+        yield port, answer
 
 
 def closed_port() -> int:

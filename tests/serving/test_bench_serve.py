@@ -15,6 +15,7 @@ from aiohttp import web
 from tessera.bench.client import stream_completion
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import arrival_offsets
+from tests.fixtures.loopback_http import serving
 from tests.serving.server import MODEL_NAME, ServerProcess
 
 
@@ -72,17 +73,10 @@ async def test_timings_follow_chunks_with_choices_like_vllms_client() -> None:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"  # type: ignore[union-attr]
-    try:
-        async with aiohttp.ClientSession() as session:
-            ok = await stream_completion(session, url, "m", BenchRequest("empty-first", 1, 2), {})
-            failed = await stream_completion(session, url, "m", BenchRequest("usage-only", 1, 2), {})
-    finally:
-        await runner.cleanup()
+    async with serving(app) as port, aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        ok = await stream_completion(session, url, "m", BenchRequest("empty-first", 1, 2), {})
+        failed = await stream_completion(session, url, "m", BenchRequest("usage-only", 1, 2), {})
     assert ok.success and ok.output_len == 2 and len(ok.itl_s) == 1
     assert 0.04 < ok.ttft_s < 0.2 and ok.latency_s < 0.25  # not through the 0.2 s wait for usage
     assert not failed.success and failed.error == "no tokens generated"
