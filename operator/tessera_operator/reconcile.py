@@ -257,12 +257,9 @@ class Reconciler:
                 result.append(pod)
                 continue
             meta = pod["metadata"]
-            owners = [*(meta.get("ownerReferences") or []), builders.owner_reference(ref)]
             path = core_path(ref.namespace, "pods", meta["name"])
-            try:  # the uid makes it this very pod, not one recreated under its name meanwhile
-                adopted = await self.client.merge_patch(
-                    path, {"metadata": {"uid": meta["uid"], "ownerReferences": owners}}
-                )
+            try:
+                adopted = await self.client.merge_patch(path, adoption(pod, ref))
             except ApiError as exc:
                 if exc.status == 403:  # a Role from before adoption (no pods/patch): left alone
                     log.warning("%s/%s: cannot adopt pod %s: %s", ref.namespace, ref.name, meta["name"], exc)
@@ -413,9 +410,8 @@ class Reconciler:
             elif current is None:
                 await self.create(path, desired)
             elif orphaned:  # left by an orphaning delete: adopted, with this cluster's budget
-                owners = [*(current["metadata"].get("ownerReferences") or []), builders.owner_reference(ref)]
-                body = {"metadata": {"uid": current["metadata"]["uid"], "ownerReferences": owners}}
-                await self.client.merge_patch(f"{path}/{ref.name}", {**body, "spec": desired["spec"]})
+                body = {**adoption(current, ref), "spec": desired["spec"]}
+                await self.client.merge_patch(f"{path}/{ref.name}", body)
             elif budget_drifted(current["spec"], desired["spec"]):
                 await self.client.merge_patch(f"{path}/{ref.name}", {"spec": desired["spec"]})
         except ApiError as exc:
@@ -478,6 +474,14 @@ def refusal(reason: str, what: str, exc: ApiError) -> Exception:
     if exc.status in RETRYABLE or exc.status < 400:
         return exc
     return WriteRefused(reason, f"{what}: {exc}")
+
+
+def adoption(orphan: dict[str, Any], ref: builders.ClusterRef) -> dict[str, Any]:
+    """The merge patch that makes the cluster an orphan's controller; its uid makes it this very
+    object, not one made again under its name meanwhile."""
+    meta = orphan["metadata"]
+    owners = [*(meta.get("ownerReferences") or []), builders.owner_reference(ref)]
+    return {"metadata": {"uid": meta["uid"], "ownerReferences": owners}}
 
 
 def not_ours(reason: str, what: str, kind: str) -> WriteRefused:

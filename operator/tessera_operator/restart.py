@@ -20,11 +20,8 @@ def backoff_seconds(restarts: int, policy: RestartPolicySpec) -> float:
 
 
 def record_failure(group: GroupStatus, reason: str, now: float, policy: RestartPolicySpec) -> GroupStatus:
-    ready_since = from_rfc3339(group.ready_since)
-    restarts = group.restarts
-    if ready_since is not None and now - ready_since >= policy.reset_after_seconds:
-        restarts = 0  # it ran well for long enough: this failure is not part of a crash loop
-    restarts += 1
+    # A group that ran well for long enough: this failure is not part of a crash loop.
+    restarts = settled(group, now, policy).restarts + 1
     delay = backoff_seconds(restarts, policy)
     return group.model_copy(
         update={
