@@ -107,6 +107,22 @@ class ParallelismSpec(Wire):
     )
 
 
+class SamplingDefaultsSpec(Wire):
+    """Sampling for what a request leaves unset, over the model's generation config (vLLM's
+    --override-generation-config)."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=1e4, description="Sampling temperature.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1, description="Top-k (-1: off).")
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="Minimum probability.")
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, le=1e4, description="Repetition penalty (1: off)."
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=1, le=MAX_TOKENS, description="Caps every request's max_tokens."
+    )
+
+
 class EngineSpec(Wire):
     """Engine settings passed to every rank's `tessera` command."""
 
@@ -128,6 +144,14 @@ class EngineSpec(Wire):
     )
     enable_prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prefixes.")
     enable_chunked_prefill: bool = Field(default=True, description="Split long prompts across steps.")
+    generation_config: Literal["auto", "vllm"] = Field(
+        default="auto",
+        description="Sampling defaults for what a request leaves unset: auto (the model's "
+        "generation_config.json, as vLLM) or vllm (the engine's own).",
+    )
+    sampling_defaults: SamplingDefaultsSpec | None = Field(
+        default=None, description="Sampling defaults over the generation config."
+    )
 
 
 class EnvVar(Wire):

@@ -119,6 +119,11 @@ def engine_args(spec: InferenceClusterSpec) -> list[str]:
             "kv_cache_memory": kv_bytes,
             "enable_prefix_caching": eng.enable_prefix_caching,
             "enable_chunked_prefill": eng.enable_chunked_prefill,
+            # Only when set: flags new to the pod's command would roll every group out on an upgrade.
+            "generation_config": None if eng.generation_config == "auto" else eng.generation_config,
+            "override_generation_config": (
+                eng.sampling_defaults.model_dump(exclude_none=True) or None if eng.sampling_defaults else None
+            ),
         }
     )
     return [model.source, *settings]

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tessera.engine.generation_config import parse_overrides
 from tessera.topology import ParallelLayout
 
 # A CPU list as taskset takes it: 0-3,8.
@@ -42,6 +43,17 @@ class EngineConfig(BaseModel):
         description="CPU ranks: glibc's malloc keeps freed memory for the next step instead of "
         "returning it to the OS (no page faults on every step's activations)",
     )
+    generation_config: str = Field(
+        "auto",
+        min_length=1,
+        description="sampling defaults for what a request leaves unset: auto (the model's "
+        "generation_config.json, as vLLM), vllm (the engine's own: temperature 1, no top-p/top-k), "
+        "or a folder holding a generation_config.json",
+    )
+    override_generation_config: dict[str, int | float] | None = Field(
+        None,
+        description='sampling defaults over the generation config, as JSON: {"temperature": 0.5}',
+    )
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
     max_batches_in_flight: int | None = Field(
         None, ge=1, description="batches the engine keeps in flight (default: one per pipeline stage)"
@@ -68,6 +80,8 @@ class EngineConfig(BaseModel):
             and self.max_num_batched_tokens < self.max_model_len
         ):
             raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off")
+        if self.override_generation_config:
+            parse_overrides(self.override_generation_config)
         return self
 
     @property

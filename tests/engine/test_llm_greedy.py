@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tessera import LLM, SamplingParams
+from tessera.engine.generation_config import eos_token_ids
 from tessera.engine.messages import SchedulerStats
-from tessera.engine.processor import generation_eos_token_ids
 from tests.engine.reference import hf_greedy
 
 SHARED_PREFIX = (
@@ -76,7 +76,7 @@ def check_greedy_matches_reference(model_dir: Path, max_new_tokens: int, num_kv_
     )
     tokenizer = llm.get_tokenizer()
     prompt_ids = [tokenizer(p).input_ids for p in prompts]
-    eos = generation_eos_token_ids(model_dir) or tokenizer.eos_token_id
+    eos = eos_token_ids(model_dir) or tokenizer.eos_token_id
     expected = hf_greedy(model_dir, prompt_ids, max_new_tokens, eos)
 
     recorder = StatsRecorder(llm)

@@ -81,6 +81,8 @@ def test_leader_serves_workers_follow_and_only_the_leader_has_a_readiness_probe(
         2048,
         False,
     )
+    assert (config.generation_config, config.override_generation_config) == ("auto", None)
+    assert "--generation-config" not in lc["args"]  # a default adds no flag: no rollout on an upgrade
     assert wc["args"] == []
     assert lc["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert "readinessProbe" not in wc
@@ -249,3 +251,15 @@ def test_a_cluster_may_opt_out_of_the_disruption_budget_and_drift_ignores_droppe
     assert budget_drifted(
         {**desired["spec"], "unhealthyPodEvictionPolicy": "IfHealthyBudget"}, desired["spec"]
     )
+
+
+def test_sampling_defaults_reach_the_leaders_flags() -> None:
+    spec = spec_of(
+        engine={"generationConfig": "vllm", "samplingDefaults": {"temperature": 0.7, "maxTokens": 512}}
+    )
+    args = builders.build_pod(REF, spec, "r", 0, 0, 0)["spec"]["containers"][0]["args"]
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    config = engine_config_from_args(parser.parse_args(args), "smollm2-135m-instruct")
+    assert config.generation_config == "vllm"
+    assert config.override_generation_config == {"temperature": 0.7, "max_tokens": 512}

@@ -9,6 +9,7 @@ import pytest
 
 from tessera.engine import serialization
 from tessera.engine.arg_utils import add_engine_args, engine_config_from_args, parse_size
+from tessera.engine.generation_config import SamplingDefaults
 from tessera.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -18,6 +19,8 @@ from tessera.engine.messages import (
 )
 from tessera.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from tessera.sampling_params import SamplingParams
+
+NO_DEFAULTS = SamplingDefaults()
 
 
 def test_messages_round_trip_through_msgpack() -> None:
@@ -101,7 +104,7 @@ def test_parse_size() -> None:
 
 def test_openai_requests_become_sampling_params() -> None:
     completion = CompletionRequest(prompt=[1, 2, 3], max_tokens=7, stop="x", seed=4, logprobs=2, top_k=-1)
-    params = completion.to_sampling_params()
+    params = completion.to_sampling_params(NO_DEFAULTS)
     assert (params.max_tokens, params.stop, params.seed, params.logprobs, params.top_k) == (7, ["x"], 4, 2, 0)
     assert params.temperature == 1.0
     assert completion.prompts() == [[1, 2, 3]]
@@ -116,15 +119,38 @@ def test_openai_requests_become_sampling_params() -> None:
         top_logprobs=3,
         temperature=0,
     )
-    params = chat.to_sampling_params(default_max_tokens=100)
+    params = chat.to_sampling_params(100, NO_DEFAULTS)
     assert (params.max_tokens, params.logprobs, params.greedy) == (9, 3, True)
     assert chat.chat_messages() == [{"role": "user", "content": "hi\nthere"}]
     named = ChatCompletionRequest(messages=[{"role": "user", "name": "bob", "content": "hi"}])
     assert named.chat_messages() == [{"role": "user", "content": "hi", "name": "bob"}]  # the template's
     assert (
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params(50).max_tokens
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+        .to_sampling_params(50, NO_DEFAULTS)
+        .max_tokens
         == 50
     )
+
+
+def test_a_models_sampling_defaults_fill_what_a_request_leaves_unset() -> None:
+    """vLLM's ``--generation-config auto``: the model's defaults under the request's own values,
+    and its max_new_tokens caps max_tokens whoever set it."""
+    model = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.1, max_tokens=8)
+    unset = CompletionRequest(prompt="x").to_sampling_params(model)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.repetition_penalty) == (
+        0.6,
+        0.9,
+        20,
+        0.0,
+        1.1,
+    )
+    assert unset.max_tokens == 8  # the completions default of 16, capped
+    chosen = CompletionRequest(prompt="x", temperature=0, top_p=1.0, top_k=-1, max_tokens=4)
+    params = chosen.to_sampling_params(model)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.0, 1.0, 0, 4)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=100)
+    assert chat.to_sampling_params(500, model).max_tokens == 8
+    assert chat.to_sampling_params(500, NO_DEFAULTS).max_tokens == 100
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])

@@ -8,6 +8,7 @@ positional argument added by each command.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import types
@@ -43,6 +44,16 @@ def _int_list(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _base_type(annotation: Any) -> Any:
@@ -88,6 +99,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
         elif name == "kv_cache_memory":
             kwargs["type"] = parse_size
             kwargs["help"] = help_text + " (bytes, or with a unit: 512MiB, 2GiB)"
+        elif typing.get_origin(kind) is dict:
+            kwargs["type"] = _json_object
         elif typing.get_origin(kind) is list:
             kwargs["type"] = _int_list
             kwargs["help"] = help_text + " (comma-separated)"
@@ -137,6 +150,8 @@ def engine_cli_args(values: dict[str, Any]) -> list[str]:
             args.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):
             args += [flag, ",".join(str(v) for v in value)]
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
         else:
             args += [flag, str(value)]
     return args

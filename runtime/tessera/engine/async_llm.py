@@ -26,13 +26,7 @@ from tessera.config import EngineConfig
 from tessera.engine.core_client import AsyncMPClient, EngineDeadError
 from tessera.engine.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
 from tessera.engine.output_processor import FINISH_ERROR, OutputProcessor, RequestOutputKind
-from tessera.engine.processor import (
-    InputProcessor,
-    generation_eos_token_ids,
-    load_tokenizer,
-    max_prompt_tokens,
-    model_vocab_size,
-)
+from tessera.engine.processor import InputProcessor, load_tokenizer
 from tessera.metrics import EngineMetrics
 from tessera.models.registry import resolve_model
 from tessera.outputs import RequestOutput
@@ -75,12 +69,8 @@ class AsyncLLM:
             self.core = AsyncMPClient(config, engine_core_cls)
             try:
                 self.max_model_len = int(self.core.ready_info["max_model_len"])
-                self.processor = InputProcessor(
-                    tokenizer.result(),
-                    self.max_model_len,
-                    extra_eos_token_ids=generation_eos_token_ids(self.model_dir),
-                    vocab_size=model_vocab_size(self.model_dir),
-                    max_prompt_len=max_prompt_tokens(config, self.max_model_len),
+                self.processor = InputProcessor.from_model_dir(
+                    self.model_dir, self.max_model_len, config, tokenizer.result()
                 )
             except BaseException:
                 # The engine core process is not a daemon: left running, the server would wait

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from tessera.config import EngineConfig
+from tessera.engine.generation_config import SamplingDefaults, eos_token_ids, load_sampling_defaults
 from tessera.engine.messages import EngineCoreRequest
 from tessera.sampling_params import InvalidParameterError, SamplingParams
 
@@ -36,17 +36,6 @@ def max_prompt_tokens(config: EngineConfig, max_model_len: int) -> int:
     return longest
 
 
-def generation_eos_token_ids(model_dir: Path) -> list[int]:
-    """EOS ids from generation_config.json (some models stop on several)."""
-    path = model_dir / "generation_config.json"
-    if not path.exists():
-        return []
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -60,8 +49,11 @@ class InputProcessor:
         extra_eos_token_ids: list[int] | None = None,
         vocab_size: int | None = None,
         max_prompt_len: int | None = None,
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # What a request leaves unset samples as the model asks (its generation_config.json).
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.max_model_len = max_model_len
         self.max_prompt_len = max_model_len - 1 if max_prompt_len is None else max_prompt_len
         self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
@@ -74,14 +66,24 @@ class InputProcessor:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: Path, max_model_len: int, config: EngineConfig | None = None
+        cls,
+        model_dir: Path,
+        max_model_len: int,
+        config: EngineConfig | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> InputProcessor:
+        """Everything from the model's folder (the tokenizer too unless given) and ``config``."""
         return cls(
-            load_tokenizer(model_dir),
+            load_tokenizer(model_dir) if tokenizer is None else tokenizer,
             max_model_len,
-            extra_eos_token_ids=generation_eos_token_ids(model_dir),
+            extra_eos_token_ids=eos_token_ids(model_dir),
             vocab_size=model_vocab_size(model_dir),
             max_prompt_len=None if config is None else max_prompt_tokens(config, max_model_len),
+            sampling_defaults=None
+            if config is None
+            else load_sampling_defaults(
+                model_dir, config.generation_config, config.override_generation_config
+            ),
         )
 
     def render_chat(

@@ -250,6 +250,11 @@ def run_server(args: argparse.Namespace) -> int:
         )
 
     engine.on_engine_dead(on_dead)
+    defaults = engine.processor.sampling_defaults.set_fields()
+    if defaults:  # as vLLM says it: a request that sets none of these samples unlike OpenAI's defaults
+        logger.info(
+            "sampling defaults from the generation config (%s): %s", config.generation_config, defaults
+        )
     logger.info(
         "serving %s as %s on http://%s:%d (API key %s)",
         args.model,

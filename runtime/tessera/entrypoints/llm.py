@@ -57,6 +57,12 @@ class LLM:
         requests still hold blocks."""
         return self.engine.reset_prefix_cache()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams samples with (vLLM's): the model's defaults from its
+        generation_config.json (``generation_config``, ``override_generation_config``) over the
+        engine's."""
+        return SamplingParams(**self.input_processor.sampling_defaults.set_fields())
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -87,12 +93,11 @@ class LLM:
         return self._run(self._add_requests(inputs), use_tqdm)
 
     # -- internals ------------------------------------------------------------------------------
-    @staticmethod
     def _params_for(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         if len(sampling_params) != count:

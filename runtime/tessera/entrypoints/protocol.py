@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tessera.engine.generation_config import SamplingDefaults
 from tessera.sampling_params import MAX_LOGPROBS, MAX_N, InvalidParameterError, SamplingParams
 
 INT32 = 2**31 - 1
@@ -173,7 +174,9 @@ class SamplingFields(RequestModel):
     return_tokens_as_token_ids: Any = None
     unsupported_extras: ClassVar[dict[str, Any]] = UNSUPPORTED_VLLM_EXTRAS
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults
+    ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options", "stream_options can only be given with stream=true")
         for name, harmless in self.unsupported_extras.items():
@@ -185,14 +188,22 @@ class SamplingFields(RequestModel):
                 )
                 raise InvalidParameterError(name, f"{name} is not supported{hint}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+        def unless_set(name: str, engine_default: float) -> Any:
+            """The request's value, else the model's default, else the engine's (vLLM's order)."""
+            for value in (getattr(self, name), getattr(defaults, name)):
+                if value is not None:
+                    return value
+            return engine_default
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=unless_set("temperature", 1.0),
+            top_p=unless_set("top_p", 1.0),
+            top_k=unless_set("top_k", 0),
+            min_p=unless_set("min_p", 0.0),
             seed=self.seed,
-            max_tokens=max_tokens,
+            max_tokens=defaults.cap(max_tokens),
             min_tokens=self.min_tokens,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -201,7 +212,7 @@ class SamplingFields(RequestModel):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=unless_set("repetition_penalty", 1.0),
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -234,7 +245,7 @@ class CompletionRequest(SamplingFields):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameterError("best_of", "best_of is not supported (it must equal n when given)")
         if self.logit_bias:
@@ -245,7 +256,7 @@ class CompletionRequest(SamplingFields):
             raise InvalidParameterError("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
         # With echo, logprobs cover the prompt too; max_tokens 0 generates one token, never shown.
         params = self._sampling_params(
-            max(self.max_tokens or 0, 1) if self.echo else self.max_tokens, self.logprobs
+            max(self.max_tokens or 0, 1) if self.echo else self.max_tokens, self.logprobs, defaults
         )
         if self.echo and self.logprobs is not None:
             params.prompt_logprobs = self.logprobs
@@ -340,7 +351,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
         if self.logit_bias:
             raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.tools:
@@ -361,7 +372,7 @@ class ChatCompletionRequest(SamplingFields):
             raise InvalidParameterError("top_logprobs", "top_logprobs needs logprobs=true")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
     def chat_messages(self) -> list[dict[str, str]]:
         """What the chat template sees: each message's role and text, and its name when given

@@ -60,8 +60,11 @@ async def create_chat_completion(
     model = ctx.check_model(body.model)
     # Checked before templating and tokenizing (max_tokens defaults to the room the prompt leaves).
     ctx.limits.check_chat(len(body.messages))
+    defaults = ctx.engine.processor.sampling_defaults
     ctx.check_params(
-        body.to_sampling_params(ctx.engine.max_model_len), num_prompts=1, logprobs_param="top_logprobs"
+        body.to_sampling_params(ctx.engine.max_model_len, defaults),
+        num_prompts=1,
+        logprobs_param="top_logprobs",
     )
     messages = body.chat_messages()
     try:
@@ -74,7 +77,7 @@ async def create_chat_completion(
     token_ids = await ctx.engine.tokenize_async(prompt, add_special_tokens=False, param="messages")
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     ctx.check_context(len(token_ids), body.max_completion_tokens or body.max_tokens, asked)
-    params = body.to_sampling_params(max(1, ctx.engine.max_model_len - len(token_ids)))
+    params = body.to_sampling_params(max(1, ctx.engine.max_model_len - len(token_ids)), defaults)
     ctx.check_admission(params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY

@@ -95,7 +95,7 @@ def echoed_choice(
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Any:
     model = ctx.check_model(body.model)
-    params = body.to_sampling_params()
+    params = body.to_sampling_params(ctx.engine.processor.sampling_defaults)
     prompts = body.prompts()
     ctx.check_params(params, len(prompts))
     token_lists = [
