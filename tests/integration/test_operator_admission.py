@@ -44,6 +44,7 @@ def manifest(**spec: Any) -> str:
         ({"parallelism": {"tensor": "two"}}, "spec.parallelism.tensor"),
         ({"placement": {"mode": "sometimes"}}, "spec.placement.mode"),
         ({"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
+        ({"engine": {"samplingDefaults": {"topP": 0}}}, "spec.engine.samplingDefaults.topP"),
     ],
 )
 def test_schema_rejects_types_and_ranges(

@@ -30,9 +30,15 @@ def test_schema_is_structural() -> None:
     schema = crdgen.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     keys = {key for _, key in walk(schema)}
     assert not keys & {"$ref", "anyOf", "oneOf", "allOf", "$defs", "title", "const"}
-    # every node with properties declares its type; exclusive bounds are OpenAPI v3.0 booleans
-    for node_path, key in walk(schema):
-        assert key != "exclusiveMinimum" or node_path.endswith("targetQueueDepth")
+    # exclusive bounds are OpenAPI v3.0 booleans beside their bound, never JSON Schema's numbers
+    exclusive = [path for path, key in walk(schema) if key in ("exclusiveMinimum", "exclusiveMaximum")]
+    assert exclusive, "the schema has exclusive bounds (targetQueueDepth, topP)"
+    for node_path in exclusive:
+        node = schema
+        for part in node_path.strip(".").split("."):
+            node = node[part]
+        assert node.get("exclusiveMinimum", True) is True and "minimum" in node, node_path
+        assert node.get("exclusiveMaximum", True) is True, node_path
     spec = schema["properties"]["spec"]
     assert spec["required"] == ["model"]
     par = spec["properties"]["parallelism"]
