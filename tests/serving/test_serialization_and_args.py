@@ -18,7 +18,7 @@ from tessera.engine.messages import (
     TokenLogprobs,
 )
 from tessera.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from tessera.sampling_params import SamplingParams
+from tessera.sampling_params import InvalidParameterError, SamplingParams
 
 NO_DEFAULTS = SamplingDefaults()
 
@@ -185,3 +185,21 @@ def test_max_n_cannot_be_raised_past_the_schemas_ceiling() -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--max-n", "500"])
     assert parser.parse_args(["m", "--max-n", "4"]).max_n == 4
+
+
+def test_tool_call_history_reaches_the_template_with_its_arguments_as_an_object() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "6*7"}'}}
+    chat = ChatCompletionRequest(
+        messages=[
+            {"role": "user", "content": "What is 6*7?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+        ]
+    )
+    _, assistant, tool = chat.chat_messages()
+    assert assistant["tool_calls"] == [{**call, "function": {"name": "calc", "arguments": {"expr": "6*7"}}}]
+    assert tool == {"role": "tool", "content": "42", "tool_call_id": "call_1"}
+    broken = {**call, "function": {"name": "calc", "arguments": "{not json"}}
+    with pytest.raises(InvalidParameterError) as refused:
+        ChatCompletionRequest(messages=[{"role": "assistant", "tool_calls": [broken]}]).chat_messages()
+    assert refused.value.param == "messages[0].tool_calls[0]"

@@ -138,6 +138,12 @@ class AsyncLLM:
         """Token ids of a prompt; InvalidParameterError for an empty, invalid or over-long one."""
         return await self._off_loop(self.processor.tokenize, prompt, add_special_tokens, param)
 
+    async def encode_async(
+        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+    ) -> list[int]:
+        """Token ids of any text, unchecked against the context (for /tokenize)."""
+        return await self._off_loop(self.processor.encode, text, add_special_tokens, param)
+
     async def render_chat_async(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:

@@ -109,10 +109,7 @@ class InputProcessor:
                     f"tokens a prompt may have (this model's maximum context length is {self.max_model_len})",
                     code=CONTEXT_LENGTH_EXCEEDED,
                 )
-            try:
-                token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-            except (UnicodeError, TypeError) as exc:  # e.g. a lone UTF-16 surrogate
-                raise InvalidParameterError(param, f"{param} is not valid Unicode text") from exc
+            token_ids = self.encode(prompt, add_special_tokens, param)
         else:
             token_ids = list(prompt)
             self.check_token_ids(token_ids, param)
@@ -123,6 +120,13 @@ class InputProcessor:
                 param, self._too_long_message(len(token_ids), param), code=CONTEXT_LENGTH_EXCEEDED
             )
         return token_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of any text, whatever its length (/tokenize counts what may not fit)."""
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        except (UnicodeError, TypeError) as exc:  # e.g. a lone UTF-16 surrogate
+            raise InvalidParameterError(param, f"{param} is not valid Unicode text") from exc
 
     def _too_long_message(self, num_tokens: int, param: str) -> str:
         if self.max_prompt_len < self.max_model_len - 1:

@@ -21,12 +21,13 @@ from http import HTTPStatus
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tessera import __version__
 from tessera.engine.arg_utils import engine_config_from_args
 from tessera.engine.async_llm import AsyncLLM
 from tessera.engine.core_client import EngineDeadError
@@ -38,14 +39,20 @@ from tessera.entrypoints.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from tessera.entrypoints.serve_args import add_serve_args
 from tessera.entrypoints.serving_chat import create_chat_completion
 from tessera.entrypoints.serving_common import APIError, ServingContext, error_response
 from tessera.entrypoints.serving_completions import create_completion
+from tessera.entrypoints.serving_tokenize import detokenize, tokenize
 from tessera.sampling_params import InvalidParameterError
 
 logger = logging.getLogger("tessera.api_server")
@@ -56,8 +63,25 @@ DEAD_ENGINE_GRACE_S = 1.0
 SHUTDOWN_GRACE_S = float(os.environ.get("TESSERA_SHUTDOWN_GRACE_S", "5"))
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 415, 500, 503)
 }
+
+
+# What the API key guards: the model's work. /health, /ping, /version and /metrics stay open, as
+# in vLLM, for probes and Prometheus.
+PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize")
+
+
+async def require_json(request: Request) -> None:
+    """A body of another media type is refused by name (parsed anyway it would fail as a wrong
+    type, a message that hides the cause)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(
+            f"unsupported media type {media_type or '(none)'!r}: send the body as JSON with "
+            "Content-Type: application/json",
+            HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+        )
 
 
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
@@ -134,7 +158,7 @@ def build_app(
         async def check_api_key(
             request: Request, call_next: Callable[[Request], Awaitable[Response]]
         ) -> Response:
-            if request.url.path.startswith("/v1"):
+            if request.url.path.startswith(PROTECTED_PATHS):
                 scheme, _, token = request.headers.get("authorization", "").partition(" ")
                 # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
                 valid = hmac.compare_digest(token.strip().encode(), api_key.encode())
@@ -149,11 +173,16 @@ def build_app(
         )
 
     @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's probe, as vLLM serves it
     async def health() -> Response:
         problem = engine.health_problem()
         if problem is None:
             return Response(status_code=200)
         return error_response(problem, HTTPStatus.SERVICE_UNAVAILABLE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -170,13 +199,37 @@ def build_app(
     async def model(model: str) -> ModelCard:  # the SDK's client.models.retrieve(name)
         return model_card(ctx.check_model(model))
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
+    json_body = [Depends(require_json)]
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses=_ERROR_RESPONSES,
+        dependencies=json_body,
+    )
     async def completions(body: CompletionRequest, raw_request: Request) -> Any:
         return await create_completion(ctx, body, raw_request)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses=_ERROR_RESPONSES,
+        dependencies=json_body,
+    )
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Any:
         return await create_chat_completion(ctx, body, raw_request)
+
+    @app.post(
+        "/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES, dependencies=json_body
+    )
+    async def tokenize_prompt(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        return await tokenize(ctx, body)
+
+    @app.post(
+        "/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES, dependencies=json_body
+    )
+    async def detokenize_tokens(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await detokenize(ctx, body)
 
     return app
 

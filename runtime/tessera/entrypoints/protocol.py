@@ -6,6 +6,7 @@ never an error deep in the engine (ints must fit msgpack; floats must be finite)
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -314,6 +315,9 @@ class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # A conversation's tool-call history: the chat template renders it (vLLM passes both on).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -374,16 +378,40 @@ class ChatCompletionRequest(SamplingFields):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, defaults)
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """What the chat template sees: each message's role and text, and its name when given
-        (templates that render speakers use it, as vLLM passes it)."""
-        messages = []
-        for m in self.messages:
-            message = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                message["name"] = m.name
-            messages.append(message)
-        return messages
+    def chat_messages(self) -> list[dict[str, Any]]:
+        return template_messages(self.messages)
+
+
+def template_messages(chat: list[ChatMessage]) -> list[dict[str, Any]]:
+    """What the chat template sees: each message's role and text, and its name and tool-call
+    history when given (templates render them, as vLLM passes them on)."""
+    messages = []
+    for index, m in enumerate(chat):
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls is not None:
+            message["tool_calls"] = [
+                _with_parsed_arguments(call, f"messages[{index}].tool_calls[{i}]")
+                for i, call in enumerate(m.tool_calls)
+            ]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    return messages
+
+
+def _with_parsed_arguments(call: dict[str, Any], param: str) -> dict[str, Any]:
+    """A tool call whose function arguments (a JSON string on the wire) are an object, as chat
+    templates iterate them (vLLM parses them the same way)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError as exc:
+        raise InvalidParameterError(param, f"{param}.function.arguments is not JSON: {exc}") from exc
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class TopLogprob(OpenAIModel):
@@ -442,3 +470,37 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+# --- /tokenize and /detokenize (vLLM's) -----------------------------------------------------
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(RequestModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template already holds the special tokens it wants
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str

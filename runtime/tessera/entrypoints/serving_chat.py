@@ -54,6 +54,18 @@ def chat_logprobs(output: CompletionOutput, top_n: int, tokenizer: Any) -> ChatL
     return ChatLogprobs(content=content)
 
 
+async def render_chat_prompt(
+    ctx: ServingContext, messages: list[dict[str, Any]], add_generation_prompt: bool
+) -> str:
+    """The conversation through the model's chat template; a template failure is a 400."""
+    try:
+        return await ctx.engine.render_chat_async(messages, add_generation_prompt)
+    except Exception as exc:  # the template is user-facing Jinja: any failure is the request's fault
+        raise APIError(
+            f"cannot apply the chat template: {exc}", HTTPStatus.BAD_REQUEST, param="messages"
+        ) from exc
+
+
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request
 ) -> Any:
@@ -66,13 +78,7 @@ async def create_chat_completion(
         num_prompts=1,
         logprobs_param="top_logprobs",
     )
-    messages = body.chat_messages()
-    try:
-        prompt = await ctx.engine.render_chat_async(messages, body.add_generation_prompt)
-    except Exception as exc:  # the template is user-facing Jinja: any failure is the request's fault
-        raise APIError(
-            f"cannot apply the chat template: {exc}", HTTPStatus.BAD_REQUEST, param="messages"
-        ) from exc
+    prompt = await render_chat_prompt(ctx, body.chat_messages(), body.add_generation_prompt)
     # The template already holds the special tokens (BOS) it wants.
     token_ids = await ctx.engine.tokenize_async(prompt, add_special_tokens=False, param="messages")
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
