@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import zmq
 
 from tessera.distributed import rpc
@@ -21,11 +22,14 @@ def rank_peer(context: zmq.Context, addr: str, rank: int) -> zmq.Socket:
     return peer
 
 
-def test_a_lag_meter_reports_only_time_beyond_its_interval() -> None:
+def test_a_lag_meter_reports_only_time_beyond_its_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(rpc.time, "monotonic", lambda: now[0])
     meter = rpc.LagMeter()
-    assert meter.measure() < 0.1
-    time.sleep(rpc.LagMeter.EXPECTED_S + 0.4)
-    assert 0.3 < meter.measure() < 1.0
+    now[0] += rpc.LagMeter.EXPECTED_S - 0.1
+    assert meter.measure() == 0.0  # within its interval
+    now[0] += rpc.LagMeter.EXPECTED_S + 0.4
+    assert meter.measure() == pytest.approx(0.4)  # only the time beyond it, counted from the last measure
 
 
 def test_malformed_frames_from_a_peer_are_dropped_and_the_channel_goes_on(tmp_path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -236,14 +237,50 @@ def test_logprobs_and_stop_strings(tiny_llama_dir: Path):
         .outputs[0]
         .text
     )
-    if len(full) > 6:
-        stop = full[3:6]
+    assert len(full) > 9
+    early, late = full[3:6], full[6:9]
+    for stops in ([early], [late, early]):  # the earliest match ends it, whatever the list's order
         cut = llm.generate(
-            ["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
-        )[0]
-        assert cut.outputs[0].text == full[: full.index(stop)]
-        assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+            ["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stops)
+        )[0].outputs[0]
+        assert cut.text == full[: full.index(early)]
+        assert cut.finish_reason == "stop" and cut.stop_reason == early
+    kept = llm.generate(
+        ["Hello"],
+        SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, stop=[late], include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
+    assert kept.text == full[: full.index(late) + len(late)]
     assert llm.engine.scheduler.kv.usage == 0.0
+
+
+def test_min_tokens_holds_off_a_stop_token(tiny_llama_dir: Path):
+    """The stop token is masked out of the first min_tokens samples: greedy picks another one."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    stop_id = llm.generate(["Hello"], greedy)[0].outputs[0].token_ids[0]
+    held = llm.generate(["Hello"], replace(greedy, stop_token_ids=[stop_id], min_tokens=4))[0].outputs[0]
+    assert len(held.token_ids) >= 4 and stop_id not in held.token_ids[:4]
+
+
+def test_a_cached_block_is_reused_only_after_the_same_tokens(tiny_llama_dir: Path):
+    """A block's key covers every token before it: tokens Y cached after X are not Y at the start."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, max_model_len=128)
+    recorder = StatsRecorder(llm)
+    rng = random.Random(0)
+    x, y, z = ([rng.randrange(3, 500) for _ in range(16)] for _ in range(3))  # two blocks each
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens_of(ids: list[int]) -> list[int]:
+        return llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids
+
+    expected = tokens_of(y + z)  # computed from nothing
+    assert llm.reset_prefix_cache()
+    tokens_of(x + y)  # caches Y's blocks behind X
+    recorder.prefix_hits = 0
+    assert tokens_of(y + z) == expected and recorder.prefix_hits == 0
+    assert tokens_of(y + z) == expected and recorder.prefix_hits > 0  # its own blocks do hit
 
 
 def test_a_stop_token_ends_the_output_without_its_text_and_min_tokens_holds_off_stop_strings(
@@ -271,31 +308,34 @@ def test_a_stop_token_ends_the_output_without_its_text_and_min_tokens_holds_off_
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "message"),
     [
-        {"temperature": -1.0},
-        {"top_p": 0.0},
-        {"top_k": -5},
-        {"max_tokens": 0},
-        {"n": 0},
-        {"min_p": 1.5},
-        {"presence_penalty": 3.0},
-        {"repetition_penalty": 0.0},
-        {"logprobs": 50},
-        {"seed": 2**70},  # a generator's seed is 64 bits: refused here, not by the runner
-        {"seed": 2**64 - 1, "n": 2},  # the second sample's derived seed would not fit
-        {"seed": -(2**63) - 1},
-        # NaN passes a range check as if inside it; the offline API has no schema in front.
-        {"temperature": float("nan")},
-        {"temperature": float("inf")},
-        {"repetition_penalty": float("nan")},
-        {"top_p": float("nan")},
-        {"min_tokens": 2.5},
-        {"logprobs": True},
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"top_k": -5}, "top_k must be"),
+        ({"max_tokens": 0}, "max_tokens must be"),
+        ({"n": 0}, "n must be"),
+        ({"min_p": 1.5}, "min_p must be in"),
+        ({"presence_penalty": 3.0}, "presence_penalty must be in"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"logprobs": 50}, "logprobs must be in"),
+        (
+            {"seed": 2**70},
+            "seed must be in",
+        ),  # a generator's seed is 64 bits: refused here, not by the runner
+        ({"seed": 2**64 - 1, "n": 2}, "seed must be in"),  # the second sample's derived seed would not fit
+        ({"seed": -(2**63) - 1}, "seed must be in"),
+        # NaN passes `x < 0` and `x <= 0` checks as if in range; the offline API has no schema in front.
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be a finite number"),
+        ({"top_p": float("nan")}, "top_p must be a finite number"),
+        ({"min_tokens": 2.5}, "min_tokens must be an integer"),
+        ({"logprobs": True}, "logprobs must be an integer"),
     ],
 )
-def test_bad_sampling_params_raise_value_error(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_sampling_params_raise_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**kwargs)
 
 

@@ -8,10 +8,13 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
+import pytest
 from aiohttp import web
 
+from tessera.bench import client as client_module
 from tessera.bench.client import stream_completion
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import arrival_offsets
@@ -49,9 +52,12 @@ def test_arrivals_start_at_once_and_average_one_over_the_rate() -> None:
     assert arrival_offsets(3, float("inf"), 1.0, random.Random(0)) == [0.0, 0.0, 0.0]
 
 
-async def test_timings_follow_chunks_with_choices_like_vllms_client() -> None:
+async def test_timings_follow_chunks_with_choices_like_vllms_client(monkeypatch: pytest.MonkeyPatch) -> None:
     """A first token that decodes to no text still ends TTFT; the usage chunk is no token; latency
-    ends at the last token, not at [DONE]; a stream with no token is a failure."""
+    ends at the last token, not at [DONE]; a stream with no token is a failure. The client reads
+    a clock the server sets before each chunk: second k of the stream is chunk k."""
+    clock = [0.0]
+    monkeypatch.setattr(client_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     streams = {
         "empty-first": [
             '{"choices":[{"text":""}]}',
@@ -66,8 +72,9 @@ async def test_timings_follow_chunks_with_choices_like_vllms_client() -> None:
         response = web.StreamResponse()
         await response.prepare(request)
         for index, data in enumerate(streams[body["prompt"]]):
-            await asyncio.sleep(0.05 if index < 2 else 0.2)
+            clock[0] = index + 1.0
             await response.write(f"data: {data}\n\n".encode())
+            await asyncio.sleep(0.01)  # each chunk read at its own time
         await response.write(b"data: [DONE]\n\n")
         return response
 
@@ -75,8 +82,10 @@ async def test_timings_follow_chunks_with_choices_like_vllms_client() -> None:
     app.router.add_post("/v1/completions", completions)
     async with serving(app) as port, aiohttp.ClientSession() as session:
         url = f"http://127.0.0.1:{port}/v1/completions"
+        clock[0] = 0.0
         ok = await stream_completion(session, url, "m", BenchRequest("empty-first", 1, 2), {})
         failed = await stream_completion(session, url, "m", BenchRequest("usage-only", 1, 2), {})
     assert ok.success and ok.output_len == 2 and len(ok.itl_s) == 1
-    assert 0.04 < ok.ttft_s < 0.2 and ok.latency_s < 0.25  # not through the 0.2 s wait for usage
+    assert ok.ttft_s == 1.0 and ok.itl_s == [1.0]  # the empty first token counts
+    assert ok.latency_s == 2.0  # the last token's chunk, not the usage chunk (3) or [DONE]
     assert not failed.success and failed.error == "no tokens generated"

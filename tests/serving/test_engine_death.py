@@ -118,6 +118,11 @@ def test_a_frozen_engine_core_turns_new_requests_away_until_it_answers(small_ser
     assert answered.status_code == 200
 
 
+def waiting_sequences(server: ServerProcess) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return metric_value(text, "tessera:num_requests_waiting") or 0.0
+
+
 def test_sigterm_answers_what_is_still_open_with_a_503_and_exits_cleanly(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -141,7 +146,11 @@ def test_sigterm_answers_what_is_still_open_with_a_503_and_exits_cleanly(
 
         waiter = threading.Thread(target=waiting_request)
         waiter.start()
-        time.sleep(1.0)
+        # Its 16 samples wait behind the first request's 15 (one sequence runs at a time).
+        deadline = time.monotonic() + 30
+        while waiting_sequences(server) < 31 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waiting_sequences(server) == 31, "the second request never queued"
         server.proc.send_signal(signal.SIGTERM)
         with pytest.raises(openai.APIError, match="shutting down"):
             for _ in chunks:

@@ -261,7 +261,11 @@ def test_disconnect_aborts_and_frees_kv_cache(long_context_server: ServerProcess
     assert (metric_value(text, "tessera:generation_tokens_total") or 0) - tokens_before < 1000
 
 
-def test_metrics_names_mirror_vllm(server: ServerProcess) -> None:
+def test_metrics_names_mirror_vllm(server: ServerProcess, client: openai.OpenAI) -> None:
+    before = (
+        metric_value(httpx.get(f"{server.base_url}/metrics").text, "tessera:generation_tokens_total") or 0
+    )
+    client.completions.create(model=MODEL_NAME, prompt="Once", max_tokens=3, extra_body={"ignore_eos": True})
     text = httpx.get(f"{server.base_url}/metrics").text
     for name in (
         "num_requests_running",
@@ -279,7 +283,7 @@ def test_metrics_names_mirror_vllm(server: ServerProcess) -> None:
         "request_queue_time_seconds_bucket",
     ):
         assert f"tessera:{name}" in text, name
-    assert (metric_value(text, "tessera:generation_tokens_total") or 0) > 0
+    assert metric_value(text, "tessera:generation_tokens_total") == before + 3
 
 
 def test_null_means_the_default(client: openai.OpenAI) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -292,7 +290,6 @@ def test_seeded_rows_follow_the_distribution() -> None:
     drawn = sample(logits, [SamplingParams(temperature=1.0, seed=0)] * draws, generators=generators)
     counts = torch.bincount(drawn, minlength=4).float()
     assert chi_square(counts, probs) < CHI2_3DOF_999
-    assert math.isclose(float(counts.sum()), draws)
 
 
 def test_seeds_that_differ_only_above_32_bits_draw_differently_and_small_seeds_are_kept() -> None:
