@@ -112,12 +112,15 @@ def test_smollm2_greedy_equals_transformers(smollm2_dir: Path):
 
 @pytest.mark.slow
 def test_smollm2_answers_through_chat_template(smollm2_dir: Path):
+    """LLM.chat is transformers' apply_chat_template then greedy generate, token for token."""
     llm = LLM(str(smollm2_dir), dtype="float32", max_model_len=512, num_kv_blocks=64)
-    out = llm.chat(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        SamplingParams(temperature=0, max_tokens=24),
-    )
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24))
     assert "Paris" in out[0].outputs[0].text
+    templated = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert out[0].prompt_token_ids == templated["input_ids"]
+    expected = hf_greedy(smollm2_dir, [out[0].prompt_token_ids], 24, eos_token_ids(smollm2_dir))
+    assert out[0].outputs[0].token_ids == expected[0]
 
 
 def test_abort_mid_flight_frees_every_block(tiny_llama_dir: Path):

@@ -1,4 +1,9 @@
 import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+
+import pytest
 
 from tessera_operator.workqueue import WorkQueue
 
@@ -37,45 +42,147 @@ async def test_events_for_one_key_collapse_and_never_run_concurrently() -> None:
     assert calls.count("a") == 2 and calls.count("b") == 1
 
 
-async def test_failures_retry_and_requeue_delays_are_honoured() -> None:
-    attempts = 0
-    done = asyncio.Event()
+class FakeClock:
+    """Virtual time for the running loop: `loop.time()` reads `now`, and `loop.call_at` timers
+    (the queue's only way to wait) are kept here and run when `advance` passes their deadline."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.now = 1000.0
+        self.timers: list[asyncio.TimerHandle] = []
+        self.delays: list[float] = []  # each timer's delay as asked, in order
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: object) -> asyncio.TimerHandle:
+        handle = asyncio.TimerHandle(when, callback, args, self.loop)
+        self.timers.append(handle)
+        self.delays.append(when - self.now)
+        return handle
+
+    def pending(self) -> list[asyncio.TimerHandle]:
+        return sorted((t for t in self.timers if not t.cancelled()), key=lambda t: t.when())
+
+    async def settle(self) -> None:
+        for _ in range(20):  # let the workers take what is queued and finish it
+            await asyncio.sleep(0)
+
+    async def advance(self, seconds: float) -> None:
+        """Move time forward, firing each timer due by then at its own deadline."""
+        target = self.now + seconds
+        while (due := [t for t in self.pending() if t.when() <= target]) != []:
+            timer = due[0]
+            self.timers.remove(timer)
+            self.now = timer.when()
+            timer._run()
+            await self.settle()
+        self.now = target
+        await self.settle()
+
+
+@contextlib.contextmanager
+def fake_clock() -> Iterator[FakeClock]:
+    loop = asyncio.get_running_loop()
+    clock = FakeClock(loop)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "time", clock.time)
+        patch.setattr(loop, "call_at", clock.call_at)
+        yield clock
+
+
+async def test_failures_retry_with_a_capped_exponential_backoff() -> None:
+    attempts: list[float] = []
 
     async def handler(key: object) -> float | None:
-        nonlocal attempts
-        attempts += 1
-        if attempts == 1:
+        attempts.append(asyncio.get_running_loop().time())
+        if len(attempts) <= 6:
             raise RuntimeError("transient")
-        if attempts == 2:
-            return 0.05  # look again soon
-        done.set()
         return None
 
-    queue = WorkQueue(handler, workers=1)
-    queue.start()
-    queue.add("k")
-    await asyncio.wait_for(done.wait(), timeout=5)
-    await queue.stop()
-    assert attempts == 3
+    with fake_clock() as clock:
+        queue = WorkQueue(handler, workers=1, max_retry_delay=3.0)
+        queue.start()
+        queue.add("k")
+        await clock.settle()
+        assert attempts == [1000.0]
+        await clock.advance(0.49)  # no retry before its backoff is over
+        assert attempts == [1000.0]
+        await clock.advance(30)
+        await queue.stop()
+    # 0.5 s doubling per failure, capped at max_retry_delay: 0.5, 1, 2, then 3 (not 4), 3 (not 8), 3
+    assert clock.delays == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
+    assert gaps == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    assert clock.pending() == []  # the success returned None: nothing to come back for
+
+
+async def test_a_success_resets_the_backoff_and_a_requeue_fires_no_earlier_than_asked() -> None:
+    attempts: list[float] = []
+    outcomes: list[float | Exception | None] = [RuntimeError("transient"), 7.0, RuntimeError("again"), None]
+
+    async def handler(key: object) -> float | None:
+        attempts.append(asyncio.get_running_loop().time())
+        outcome = outcomes[len(attempts) - 1]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    with fake_clock() as clock:
+        queue = WorkQueue(handler, workers=1)
+        queue.start()
+        queue.add("k")
+        await clock.settle()
+        await clock.advance(0.5)  # the retry after the first failure
+        assert attempts == [1000.0, 1000.5]
+        await clock.advance(6.999)  # the handler asked for 7 s: not a moment sooner
+        assert len(attempts) == 2
+        await clock.advance(0.001)
+        assert attempts[2] == 1007.5
+        await clock.advance(0.5)  # a fresh failure after a success backs off from the start again
+        assert attempts[3] == 1008.0
+        await clock.advance(60)
+        await queue.stop()
+    assert len(attempts) == 4 and clock.delays == [0.5, 7.0, 0.5]
 
 
 async def test_min_interval_folds_the_echo_of_our_own_writes_into_one_pass() -> None:
-    passes = 0
+    passes: list[float] = []
 
     async def handler(key: object) -> float | None:
-        nonlocal passes
-        passes += 1
+        passes.append(asyncio.get_running_loop().time())
         return None
 
-    # The burst below takes 0.15-0.2 s on a busy 2-core VM (sleeps overshoot): the interval
-    # leaves it a wide margin, so the count does not hinge on the machine's timer slack.
-    queue = WorkQueue(handler, workers=2, min_interval=0.6)
-    queue.start()
-    queue.add("k")
-    await asyncio.sleep(0.05)
-    for _ in range(20):  # the events our pass caused (pods ADDED, status MODIFIED)
+    with fake_clock() as clock:
+        queue = WorkQueue(handler, workers=2, min_interval=0.6)
+        queue.start()
         queue.add("k")
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(0.8)
-    await queue.stop()
-    assert passes == 2
+        await clock.settle()
+        await clock.advance(0.05)
+        for _ in range(20):  # the events our pass caused (pods ADDED, status MODIFIED)
+            queue.add("k")
+            await clock.advance(0.005)
+        assert passes == [1000.0]
+        await clock.advance(0.5)  # 1000.6 is the earliest the key may run again
+        await queue.stop()
+    assert passes == [1000.0, 1000.6]
+    assert clock.pending() == []
+
+
+async def test_min_interval_does_not_delay_a_key_that_has_been_quiet_long_enough() -> None:
+    passes: list[float] = []
+
+    async def handler(key: object) -> float | None:
+        passes.append(asyncio.get_running_loop().time())
+        return None
+
+    with fake_clock() as clock:
+        queue = WorkQueue(handler, workers=1, min_interval=0.6)
+        queue.start()
+        queue.add("k")
+        await clock.settle()
+        await clock.advance(0.7)
+        queue.add("k")
+        await clock.settle()
+        await queue.stop()
+    assert passes == [1000.0, 1000.7] and clock.delays == []
