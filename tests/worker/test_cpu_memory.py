@@ -7,10 +7,11 @@ import platform
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
-from tessera.config import EngineConfig
 from tessera.engine.arg_utils import add_engine_args, engine_config_from_args
 
 pytestmark = pytest.mark.skipif(
@@ -69,11 +70,23 @@ def test_a_step_reuses_freed_memory_without_faulting_it_in_again() -> None:
     assert all(step["faults"] < 64 for step in settled), steps
 
 
-def test_the_flag_turns_it_off() -> None:
+@pytest.mark.parametrize("flags", [[], ["--no-retain-freed-memory"]])
+def test_the_flag_decides_whether_a_cpu_rank_applies_it(
+    flags: list[str], tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import argparse
+
+    from tessera.worker import worker
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert EngineConfig(model="m").retain_freed_memory is True
-    args = parser.parse_args(["--no-retain-freed-memory"])
-    assert engine_config_from_args(args, model="m", environ={}).retain_freed_memory is False
+    config = engine_config_from_args(parser.parse_args([*flags, "--num-threads", "1"]), "m", environ={})
+    config = config.model_copy(update={"model": str(tiny_llama_dir), "device": "cpu"})
+    applied: list[bool] = []
+    monkeypatch.setattr(worker, "retain_freed_memory", lambda: applied.append(True) or True)
+    threads = torch.get_num_threads()
+    try:
+        worker.Worker(config, tiny_llama_dir)
+    finally:
+        torch.set_num_threads(threads)  # a Worker sets its process's threads
+    assert applied == ([] if flags else [True])
