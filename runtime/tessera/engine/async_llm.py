@@ -27,6 +27,7 @@ from tessera.engine.core_client import AsyncMPClient, EngineDeadError
 from tessera.engine.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
 from tessera.engine.output_processor import FINISH_ERROR, OutputProcessor, RequestOutputKind
 from tessera.engine.processor import InputProcessor, load_tokenizer
+from tessera.engine.token_bytes import TokenBytes
 from tessera.metrics import EngineMetrics
 from tessera.models.registry import resolve_model
 from tessera.outputs import RequestOutput
@@ -78,6 +79,7 @@ class AsyncLLM:
                 self.core.shutdown()
                 raise
         self.tokenizer = self.processor.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer)
         # One thread: the tokenizer is not safe to call from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenizer")
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tessera.engine.output_processor import RequestOutputKind
+from tessera.engine.token_bytes import TokenBytes
 from tessera.entrypoints.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -35,13 +36,13 @@ from tessera.entrypoints.serving_common import (
 from tessera.outputs import CompletionOutput, Logprob, RequestOutput
 
 
-def chat_logprobs(output: CompletionOutput, top_n: int, tokenizer: Any) -> ChatLogprobs | None:
+def chat_logprobs(output: CompletionOutput, top_n: int, token_bytes: TokenBytes) -> ChatLogprobs | None:
     if output.logprobs is None:
         return None
 
     def entry_of(token_id: int, lp: Logprob) -> TopLogprob:
-        token = lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([token_id])
-        return TopLogprob(token=token, logprob=max(lp.logprob, -9999.0), bytes=list(token.encode("utf-8")))
+        token = lp.decoded_token if lp.decoded_token is not None else token_bytes.tokenizer.decode([token_id])
+        return TopLogprob(token=token, logprob=max(lp.logprob, -9999.0), bytes=token_bytes(token_id, token))
 
     content = []
     for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
@@ -99,7 +100,7 @@ async def create_chat_completion(
         ChatChoice(
             index=output.index,
             message=ChatResponseMessage(content=output.text),
-            logprobs=chat_logprobs(output, top_n, ctx.engine.tokenizer),
+            logprobs=chat_logprobs(output, top_n, ctx.engine.token_bytes),
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
         )
@@ -154,7 +155,7 @@ async def _stream(
                     ChatStreamChoice(
                         index=completion.index,
                         delta=DeltaMessage(content=completion.text),
-                        logprobs=chat_logprobs(completion, top_n, ctx.engine.tokenizer),
+                        logprobs=chat_logprobs(completion, top_n, ctx.engine.token_bytes),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
                     )
