@@ -128,6 +128,22 @@ def test_abort_frees_blocks_everywhere():
     assert scheduler.kv.usage == 0.0
 
 
+def test_aborting_many_at_once_keeps_the_rest_in_their_order():
+    scheduler = make_scheduler(num_blocks=64, max_num_seqs=1)
+    for index in range(200):
+        add(scheduler, f"r{index}", 3)
+    run_step(scheduler)  # r0 runs, the rest wait
+    doomed = [f"r{index}" for index in range(198, -1, -3)]  # from the back, down to the runner r0
+    scheduler.abort_requests([*doomed, doomed[0], "unknown"])  # repeats and strangers are harmless
+    survivors = [f"r{index}" for index in range(200) if f"r{index}" not in doomed]
+    assert not scheduler.running and [r.request_id for r in scheduler.waiting] == survivors
+    assert set(scheduler.requests) == set(survivors)
+    output, _ = run_step(scheduler)
+    assert set(output.finished_request_ids) == set(doomed)
+    scheduler.abort_requests(survivors)
+    assert not scheduler.waiting and not scheduler.running and scheduler.kv.usage == 0.0
+
+
 def test_prefix_cache_stats_count_hits():
     scheduler = make_scheduler()
     add(scheduler, "a", 12, max_tokens=1)

@@ -5,6 +5,7 @@ real processes and ZeroMQ sockets)."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -192,3 +193,36 @@ def test_a_frontend_killed_outright_takes_its_engine_core_and_ipc_folder_with_it
     finally:
         if frontend.poll() is None:
             frontend.kill()
+
+
+def test_consecutive_aborts_that_queued_during_a_step_reach_the_scheduler_as_one_in_order() -> None:
+    """A disconnect storm's aborts cost one pass over the scheduler's queues; a request added
+    between two aborts (a reused id) still comes after the first and before the second."""
+    calls: list[tuple[str, object]] = []
+
+    class Recorder:
+        def abort_requests(self, ids: list[str]) -> None:
+            calls.append(("abort", list(ids)))
+
+        def add_request(self, request: object) -> None:
+            calls.append(("add", request))
+
+        def has_unfinished_requests(self) -> bool:
+            return True
+
+    proc = core_proc.EngineCoreProc.__new__(core_proc.EngineCoreProc)  # its loop's logic alone
+    proc.engine = Recorder()
+    proc.input_queue = queue.Queue()
+    for item in [
+        (core_proc.ABORT, ["a"]),
+        (core_proc.ABORT, ["b", "c"]),
+        (core_proc.ADD, "new a"),
+        (core_proc.ABORT, ["d"]),
+        (core_proc.ABORT, ["e"]),
+    ]:
+        proc.input_queue.put(item)
+    assert proc._handle_queued()
+    assert calls == [("abort", ["a", "b", "c"]), ("add", "new a"), ("abort", ["d", "e"])]
+    proc.input_queue.put((core_proc.ABORT, ["f"]))
+    proc.input_queue.put((core_proc.SHUTDOWN, None))
+    assert not proc._handle_queued() and calls[-1] == ("abort", ["f"])

@@ -185,11 +185,28 @@ class EngineCoreProc:
                 return
             self._busy_since = time.monotonic()
             self._check_output_thread()
-            while not self.input_queue.empty():
-                if not self._handle(*self.input_queue.get_nowait()):
-                    return
+            if not self._handle_queued():
+                return
             if self.engine.has_unfinished_requests():
                 self._step()
+
+    def _handle_queued(self) -> bool:
+        """Every message that arrived during the step, in order; consecutive aborts as one (a
+        disconnect storm's thousands cost the scheduler one pass over its queues, not one each)."""
+        aborts: list[str] = []
+        while not self.input_queue.empty():
+            kind, payload = self.input_queue.get_nowait()
+            if kind == ABORT:
+                aborts.extend(payload)
+                continue
+            if aborts:
+                self._handle(ABORT, aborts)
+                aborts = []
+            if not self._handle(kind, payload):
+                return False
+        if aborts:
+            self._handle(ABORT, aborts)
+        return True
 
     def _next_input(self) -> tuple[bytes, Any]:
         """Block for the next message; meanwhile check the ranks, so an idle engine fails promptly too."""
