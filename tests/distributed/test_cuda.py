@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from tessera import SamplingParams
 from tessera.config import EngineConfig
 from tessera.distributed.parallel_state import backend_for
 from tessera.topology import ParallelLayout, Topology
-from tessera.worker.worker import select_device
+from tessera.worker.worker import select_device, select_dtype
 from tests.distributed.equivalence import Workload, compare, run, token_prompts
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -29,6 +30,24 @@ def test_the_device_picks_the_backend_and_the_local_rank_picks_the_gpu(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RuntimeError, match="sees 1 GPU"):
         select_device(EngineConfig(model="m", device="cuda"), local_rank=1)
+
+
+@pytest.mark.parametrize(("bf16_in_hardware", "expected"), [(True, torch.bfloat16), (False, torch.float16)])
+def test_auto_dtype_on_a_gpu_is_bf16_only_where_its_hardware_has_it(
+    monkeypatch: pytest.MonkeyPatch, bf16_in_hardware: bool, expected: torch.dtype
+) -> None:
+    asked: list[bool] = []
+
+    def bf16_supported(including_emulation: bool = True) -> bool:
+        asked.append(including_emulation)
+        return bf16_in_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    assert select_dtype(EngineConfig(model="m"), torch.device("cuda", 0)) == expected
+    assert asked == [False]  # emulated bf16 does not count
+    assert select_dtype(EngineConfig(model="m"), torch.device("cpu")) == torch.float32
+    assert select_dtype(EngineConfig(model="m", dtype="bfloat16"), torch.device("cuda", 0)) == torch.bfloat16
 
 
 def test_every_rank_pod_uses_its_first_visible_gpu() -> None:

@@ -47,8 +47,14 @@ def select_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
 
 def select_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     if config.dtype == "auto":
-        # CPUs here run fp32 matmuls fastest; accelerators run bf16.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32  # CPUs here run fp32 matmuls fastest
+        # GPUs run bf16 where their tensor cores do (compute capability 8.0 on), else fp16 (vLLM's
+        # choice too): emulated bf16 on a T4 or V100 is many times slower.
+        with torch.cuda.device(device):
+            return (
+                torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+            )
     return DTYPES[config.dtype]
 
 

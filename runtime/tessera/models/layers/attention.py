@@ -297,15 +297,23 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
     ) -> torch.Tensor:
-        query = q[span.q_start : span.q_end].transpose(0, 1)  # [heads, q, hd]
+        # [1, heads, q, hd]: SDPA's fused kernels (flash, memory-efficient) take 4-D inputs only;
+        # given 3-D, CUDA falls back to the math kernel, which writes out every score.
+        query = q[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
         if span.block_ids is None:
-            keys = k[span.q_start : span.q_end].transpose(0, 1)
-            values = v[span.q_start : span.q_end].transpose(0, 1)
+            keys = k[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
+            values = v[span.q_start : span.q_end].transpose(0, 1).unsqueeze(0)
         else:
             blocks = kv_cache.index_select(1, span.block_ids)
             context = blocks.view(2, -1, self.num_kv_heads, self.head_dim)[:, : span.context_len]
-            keys, values = context[0].transpose(0, 1), context[1].transpose(0, 1)
+            keys, values = context[0].transpose(0, 1).unsqueeze(0), context[1].transpose(0, 1).unsqueeze(0)
         mask = plan.prefill_mask(index, span, self.sliding_window)
+        gqa = self.group > 1
+        if gqa and mask is not None and query.is_cuda:
+            # With a mask only the memory-efficient kernel is fused, and it takes no GQA: the KV
+            # heads are shared out (the context once per query head, far less than its scores).
+            keys, values = keys.repeat_interleave(self.group, 1), values.repeat_interleave(self.group, 1)
+            gqa = False
         attended = F.scaled_dot_product_attention(
             query,
             keys,
@@ -313,6 +321,6 @@ class Attention(nn.Module):
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.scale,
-            enable_gqa=self.group > 1,
+            enable_gqa=gqa,
         )
-        return attended.transpose(0, 1)
+        return attended[0].transpose(0, 1)
