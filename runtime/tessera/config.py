@@ -43,6 +43,13 @@ class EngineConfig(BaseModel):
         description="CPU ranks: glibc's malloc keeps freed memory for the next step instead of "
         "returning it to the OS (no page faults on every step's activations)",
     )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="GPU ranks: the share of the device's memory the engine may use (weights, a step's "
+        "peak, the KV cache), as vLLM's flag; the cache gets what a profiled step leaves",
+    )
     generation_config: str = Field(
         "auto",
         min_length=1,

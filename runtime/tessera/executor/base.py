@@ -13,7 +13,9 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
 
+from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tessera.worker.memory_profile import profile_batch
 
 # A step of the largest batches takes seconds; minutes without an answer means a hung rank.
 STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
@@ -45,6 +47,19 @@ class Executor(ABC):
             return future.result(timeout=STEP_TIMEOUT_S)
         except TimeoutError:
             raise ExecutorFailedError(f"a step got no answer in {STEP_TIMEOUT_S:.0f} s") from None
+
+    def initialize_kv_cache(self, config: EngineConfig) -> int:
+        """Every rank's cache, as many blocks as the smallest can hold. GPU ranks first run one
+        step of the largest batch on a cache made for it alone (memory_profile.py): what they
+        size is then what is left after such a step."""
+        if any(self.collective_rpc("needs_memory_profile")):
+            batch, num_blocks = profile_batch(config, self.max_model_len)
+            self.collective_rpc("begin_memory_profile", (num_blocks,))
+            self.execute_model(batch)
+            self.collective_rpc("end_memory_profile")
+        self.num_kv_blocks = min(self.collective_rpc("determine_num_blocks"))
+        self.collective_rpc("init_kv_cache", (self.num_kv_blocks,))
+        return self.num_kv_blocks
 
     def check_health(self) -> None:  # noqa: B027 - optional hook
         """Raise ExecutorFailedError when a rank is gone (called while the engine is idle too)."""

@@ -87,8 +87,7 @@ class DistributedExecutor(Executor):
                 self.procs[rank] = self._spawn(rank, index, len(local_ranks), local_rpc_addr)
             self._wait_ready(startup_timeout_s)
             self.max_model_len = min(int(info["max_model_len"]) for info in self._ready.values())
-            self.num_kv_blocks = min(self.collective_rpc("determine_num_blocks"))
-            self.collective_rpc("init_kv_cache", (self.num_kv_blocks,))
+            self.initialize_kv_cache(config)
         except BaseException:
             self.shutdown()
             raise

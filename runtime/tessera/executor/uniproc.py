@@ -16,8 +16,7 @@ class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.worker = Worker(config, model_dir)
         self.max_model_len = self.worker.max_model_len
-        self.num_kv_blocks = self.worker.determine_num_blocks()
-        self.worker.init_kv_cache(self.num_kv_blocks)
+        self.initialize_kv_cache(config)
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return [getattr(self.worker, method)(*args)]

@@ -28,12 +28,12 @@ from tessera.models.layers.attention import AttentionMetadata
 from tessera.models.loader import load_model
 from tessera.sampling_params import SamplingParams
 from tessera.topology import Topology
+from tessera.worker.memory_profile import CudaMemory, DeviceMemory, MemoryProfile, kv_cache_budget
 from tessera.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, logprobs_of
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-GPU_MEMORY_UTILIZATION = 0.9
 
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions scored per LM-head call
@@ -108,6 +108,10 @@ class ModelRunner:
         self.paused_generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._steps, self._step_seconds = 0, 0.0
+        # GPU ranks size their cache by what a profiled step leaves (memory_profile.py).
+        self.memory: DeviceMemory | None = CudaMemory(device) if device.type == "cuda" else None
+        self.memory_profile: MemoryProfile | None = None
+        self._profile_base = 0
 
     def step_stats(self) -> dict[str, float]:
         return {"steps": self._steps, "step_seconds": self._step_seconds}
@@ -121,14 +125,50 @@ class ModelRunner:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_size
 
+    def needs_memory_profile(self) -> bool:
+        """A GPU rank with no cache size given sizes it by a profiled step."""
+        return (
+            self.memory is not None
+            and self.config.num_kv_blocks is None
+            and self.config.kv_cache_memory is None
+        )
+
+    def begin_memory_profile(self, num_blocks: int) -> None:
+        """A cache for the profile's batch alone; the step that follows is measured."""
+        assert self.memory is not None
+        self._allocate_kv_cache(num_blocks)
+        self._profile_base = self.memory.allocated()
+        self.memory.reset_peak()
+
+    def end_memory_profile(self) -> None:
+        """Record what the step took, then forget its requests and its cache."""
+        assert self.memory is not None
+        step_peak = max(0, self.memory.peak() - self._profile_base)
+        self.requests.clear()
+        self.failed.clear()
+        self.paused_generators.clear()
+        self.kv_caches = []
+        self.memory.release_cached()
+        free, total = self.memory.free_and_total()
+        outside_torch = max(0, total - free - self.memory.reserved())
+        self.memory_profile = MemoryProfile(self.memory.allocated(), step_peak, outside_torch)
+        logger.info(
+            "memory profile: weights %.2f GiB, a step's peak %.2f GiB, outside torch %.2f GiB",
+            *(value / 2**30 for value in (self.memory_profile.weights, step_peak, outside_torch)),
+        )
+
     def determine_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         budget = self.config.kv_cache_memory
         if budget is None:
-            if self.device.type == "cuda":
-                free, _total = torch.cuda.mem_get_info(self.device)
-                budget = int(free * GPU_MEMORY_UTILIZATION)
+            if self.memory is not None and self.memory_profile is not None:
+                _free, total = self.memory.free_and_total()
+                num_layers = self.model.kv_cache_spec[0]
+                utilization = self.config.gpu_memory_utilization
+                budget = kv_cache_budget(self.memory_profile, total, utilization, num_layers)
+            elif self.memory is not None:
+                raise RuntimeError("a GPU rank sizes its KV cache after a memory profile (none was run)")
             else:
                 budget = DEFAULT_CPU_KV_CACHE_BYTES
         return max(budget // self.bytes_per_block(), 0)
@@ -139,8 +179,11 @@ class ModelRunner:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
                 f"({num_blocks * self.block_size} tokens), fewer than max_model_len={self.max_model_len}: "
-                "raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+                "raise kv_cache_memory / num_kv_blocks (or gpu_memory_utilization) or lower max_model_len"
             )
+        self._allocate_kv_cache(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
         shape = (2, num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]

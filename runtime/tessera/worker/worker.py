@@ -112,6 +112,15 @@ class Worker:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
+    def needs_memory_profile(self) -> bool:
+        return self.runner.needs_memory_profile()
+
+    def begin_memory_profile(self, num_blocks: int) -> None:
+        self.runner.begin_memory_profile(num_blocks)
+
+    def end_memory_profile(self) -> None:
+        self.runner.end_memory_profile()
+
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()
 

@@ -26,7 +26,17 @@ LOCAL_WORLD_SIZE_ENV = "TESSERA_LOCAL_WORLD_SIZE"
 # The only worker methods the leader may call (the RPC port is reachable from the network).
 # A pod may start long before its leader (image pulls, scheduling); then it gives up and exits 1.
 LEADER_WAIT_S = float(os.environ.get("TESSERA_RANK_STARTUP_TIMEOUT", "900"))
-CALLABLE = frozenset({"determine_num_blocks", "init_kv_cache", "comm_stats", "reset_comm_stats"})
+CALLABLE = frozenset(
+    {
+        "needs_memory_profile",
+        "begin_memory_profile",
+        "end_memory_profile",
+        "determine_num_blocks",
+        "init_kv_cache",
+        "comm_stats",
+        "reset_comm_stats",
+    }
+)
 
 
 def leader_rpc_addr(topology: Topology, environ: dict[str, str] | os._Environ[str]) -> str:
