@@ -119,6 +119,9 @@ def engine_args(spec: InferenceClusterSpec) -> list[str]:
             "kv_cache_memory": kv_bytes,
             "enable_prefix_caching": eng.enable_prefix_caching,
             "enable_chunked_prefill": eng.enable_chunked_prefill,
+            # A rank given GPUs must use one: never fall back to the CPU without a word (workers
+            # take the device from their leader too).
+            "device": "cuda" if spec.template.gpus_per_rank > 0 else None,
             # Only when set: flags new to the pod's command would roll every group out on an upgrade.
             "generation_config": None if eng.generation_config == "auto" else eng.generation_config,
             "override_generation_config": (

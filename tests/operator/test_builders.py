@@ -253,6 +253,16 @@ def test_a_cluster_may_opt_out_of_the_disruption_budget_and_drift_ignores_droppe
     )
 
 
+@pytest.mark.parametrize(("gpus", "device"), [(0, "auto"), (1, "cuda")])
+def test_a_rank_given_gpus_runs_on_cuda_or_fails(gpus: int, device: str) -> None:
+    spec = spec_of(template={"gpusPerRank": gpus})
+    args = builders.build_pod(REF, spec, "r", 0, 0, 0)["spec"]["containers"][0]["args"]
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert engine_config_from_args(parser.parse_args(args), "smollm2-135m-instruct").device == device
+    assert ("--device" in args) == (gpus > 0)  # a CPU cluster's pods keep their command
+
+
 def test_sampling_defaults_reach_the_leaders_flags() -> None:
     spec = spec_of(
         engine={"generationConfig": "vllm", "samplingDefaults": {"temperature": 0.7, "maxTokens": 512}}
