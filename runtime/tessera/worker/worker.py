@@ -29,7 +29,8 @@ from tessera.worker.model_runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Bounds every collective and stage-to-stage transfer: a peer that died or hangs makes the
-# next one raise instead of blocking forever (the leader's heartbeats usually notice first).
+# next one raise (gloo) or NCCL's watchdog end the process (NCCL), instead of blocking forever;
+# the leader's heartbeats usually notice first, and then the rank's silence.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT", "120"))
 
 
