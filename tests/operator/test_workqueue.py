@@ -1,7 +1,8 @@
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -91,6 +92,20 @@ def fake_clock() -> Iterator[FakeClock]:
         yield clock
 
 
+@contextlib.asynccontextmanager
+async def key_queued_on_a_fake_clock(
+    handler: Callable[[object], Awaitable[float | None]], **options: Any
+) -> AsyncIterator[tuple[WorkQueue, FakeClock]]:
+    """A started queue that has taken key "k" once, on virtual time; stopped after the block."""
+    with fake_clock() as clock:
+        queue = WorkQueue(handler, **options)
+        queue.start()
+        queue.add("k")
+        await clock.settle()
+        yield queue, clock
+        await queue.stop()
+
+
 async def test_failures_retry_with_a_capped_exponential_backoff() -> None:
     attempts: list[float] = []
 
@@ -100,16 +115,11 @@ async def test_failures_retry_with_a_capped_exponential_backoff() -> None:
             raise RuntimeError("transient")
         return None
 
-    with fake_clock() as clock:
-        queue = WorkQueue(handler, workers=1, max_retry_delay=3.0)
-        queue.start()
-        queue.add("k")
-        await clock.settle()
+    async with key_queued_on_a_fake_clock(handler, workers=1, max_retry_delay=3.0) as (_, clock):
         assert attempts == [1000.0]
         await clock.advance(0.49)  # no retry before its backoff is over
         assert attempts == [1000.0]
         await clock.advance(30)
-        await queue.stop()
     # 0.5 s doubling per failure, capped at max_retry_delay: 0.5, 1, 2, then 3 (not 4), 3 (not 8), 3
     assert clock.delays == [0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
     gaps = [b - a for a, b in itertools.pairwise(attempts)]
@@ -128,11 +138,7 @@ async def test_a_success_resets_the_backoff_and_a_requeue_fires_no_earlier_than_
             raise outcome
         return outcome
 
-    with fake_clock() as clock:
-        queue = WorkQueue(handler, workers=1)
-        queue.start()
-        queue.add("k")
-        await clock.settle()
+    async with key_queued_on_a_fake_clock(handler, workers=1) as (_, clock):
         await clock.advance(0.5)  # the retry after the first failure
         assert attempts == [1000.0, 1000.5]
         await clock.advance(6.999)  # the handler asked for 7 s: not a moment sooner
@@ -142,47 +148,37 @@ async def test_a_success_resets_the_backoff_and_a_requeue_fires_no_earlier_than_
         await clock.advance(0.5)  # a fresh failure after a success backs off from the start again
         assert attempts[3] == 1008.0
         await clock.advance(60)
-        await queue.stop()
     assert len(attempts) == 4 and clock.delays == [0.5, 7.0, 0.5]
 
 
-async def test_min_interval_folds_the_echo_of_our_own_writes_into_one_pass() -> None:
+def pass_recorder() -> tuple[list[float], Callable[[object], Awaitable[float | None]]]:
+    """A handler that notes the loop time of each pass, and the list it notes them in."""
     passes: list[float] = []
 
     async def handler(key: object) -> float | None:
         passes.append(asyncio.get_running_loop().time())
         return None
 
-    with fake_clock() as clock:
-        queue = WorkQueue(handler, workers=2, min_interval=0.6)
-        queue.start()
-        queue.add("k")
-        await clock.settle()
+    return passes, handler
+
+
+async def test_min_interval_folds_the_echo_of_our_own_writes_into_one_pass() -> None:
+    passes, handler = pass_recorder()
+    async with key_queued_on_a_fake_clock(handler, workers=2, min_interval=0.6) as (queue, clock):
         await clock.advance(0.05)
         for _ in range(20):  # the events our pass caused (pods ADDED, status MODIFIED)
             queue.add("k")
             await clock.advance(0.005)
         assert passes == [1000.0]
         await clock.advance(0.5)  # 1000.6 is the earliest the key may run again
-        await queue.stop()
     assert passes == [1000.0, 1000.6]
     assert clock.pending() == []
 
 
 async def test_min_interval_does_not_delay_a_key_that_has_been_quiet_long_enough() -> None:
-    passes: list[float] = []
-
-    async def handler(key: object) -> float | None:
-        passes.append(asyncio.get_running_loop().time())
-        return None
-
-    with fake_clock() as clock:
-        queue = WorkQueue(handler, workers=1, min_interval=0.6)
-        queue.start()
-        queue.add("k")
-        await clock.settle()
+    passes, handler = pass_recorder()
+    async with key_queued_on_a_fake_clock(handler, workers=1, min_interval=0.6) as (queue, clock):
         await clock.advance(0.7)
         queue.add("k")
         await clock.settle()
-        await queue.stop()
     assert passes == [1000.0, 1000.7] and clock.delays == []
