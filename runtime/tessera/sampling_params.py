@@ -39,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +102,14 @@ class SamplingParams:
             fail("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias must map token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                    fail(f"logit_bias keys must be token ids (non-negative integers), got {token!r}")
+                if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= bias <= 100.0:
+                    fail(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
 
     @property
     def greedy(self) -> bool:

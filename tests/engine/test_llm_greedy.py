@@ -335,6 +335,9 @@ def test_a_stop_token_ends_the_output_without_its_text_and_min_tokens_holds_off_
         ({"top_p": float("nan")}, "top_p must be a finite number"),
         ({"min_tokens": 2.5}, "min_tokens must be an integer"),
         ({"logprobs": True}, "logprobs must be an integer"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias values must be numbers in [-100, 100]"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias values must be numbers in [-100, 100]"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs, message):

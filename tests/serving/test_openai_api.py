@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -367,3 +368,32 @@ def test_echo_with_logprobs_scores_the_prompt_too(client: openai.OpenAI) -> None
     streamed = [c.choices[0] for c in chunks if c.choices]
     assert "".join(c.text for c in streamed) == choice.text
     assert [x for c in streamed if c.logprobs for x in (c.logprobs.token_logprobs or [])] == lp.token_logprobs
+
+
+def test_logit_bias_forces_or_bans_tokens_offline_and_served_alike(
+    client: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    """+100 makes a token all but certain, -100 all but banned (OpenAI's words; vLLM's too)."""
+    from tessera import LLM, SamplingParams
+
+    prompt, greedy = "Once upon a time", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM(str(tiny_llama_dir), max_model_len=128, num_threads=1) as llm:
+        plain = llm.generate(prompt, greedy)[0].outputs[0]
+        banned = {token: -100.0 for token in plain.token_ids}
+        avoided = llm.generate(prompt, replace(greedy, logit_bias=banned))[0].outputs[0]
+        forced_id = next(t for t in range(3, 400) if t not in banned)
+        forced = llm.generate(prompt, replace(greedy, logit_bias={forced_id: 100.0}))[0].outputs[0]
+    assert not set(avoided.token_ids) & set(banned) and forced.token_ids == [forced_id] * 6
+
+    def served(bias: dict[int, float]) -> str:
+        answer = client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0.0,
+            logit_bias={str(token): value for token, value in bias.items()},  # JSON's keys are strings
+            extra_body={"ignore_eos": True},
+        )
+        return answer.choices[0].text
+
+    assert served(banned) == avoided.text and served({forced_id: 100.0}) == forced.text

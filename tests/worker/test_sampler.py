@@ -241,6 +241,26 @@ def test_blocked_tokens_never_sampled() -> None:
     assert len(drawn) > 5
 
 
+def test_logit_bias_moves_each_rows_own_tokens_and_leaves_the_logprobs_raw() -> None:
+    logits = random_logits(3, seed=4, vocab=20)
+    order = logits.argsort(dim=-1, descending=True)
+    worst, best = int(order[0, -1]), int(order[2, 0])
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={worst: 100.0}),  # the least likely token wins
+        SamplingParams(temperature=0.0),  # untouched
+        SamplingParams(temperature=0.0, logit_bias={best: -100.0}, logprobs=1),  # the best one loses
+    ]
+    out = Sampler()(logits, metadata(params))
+    assert out.sampled_token_ids.tolist() == [worst, int(order[1, 0]), int(order[2, 1])]
+    raw = logits.log_softmax(-1)
+    assert out.logprobs is not None and torch.allclose(out.logprobs[2], raw[2, order[2, 1]])
+    # A bias shifts a logit, so a small one only reorders near-ties: sampled at temperature 1,
+    # the -100 token never comes.
+    batch = logits[2:].expand(DRAWS, -1).contiguous()
+    drawn = sample(batch, [SamplingParams(temperature=1.0, logit_bias={best: -100.0})] * DRAWS)
+    assert best not in drawn.tolist()
+
+
 def test_logprobs_are_raw_log_softmax_with_sorted_top_tokens() -> None:
     logits = random_logits(4, seed=10)
     params = [

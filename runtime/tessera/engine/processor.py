@@ -150,6 +150,8 @@ class InputProcessor:
     def check_params(self, params: SamplingParams) -> None:
         """What only the model can judge: token ids against its vocabulary."""
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self.check_token_ids(list(params.logit_bias), "logit_bias")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidParameterError(
                 "logprobs", f"logprobs must be at most the vocabulary size {self.vocab_size}"

@@ -18,6 +18,7 @@ from tessera.engine.generation_config import SamplingDefaults
 from tessera.sampling_params import MAX_LOGPROBS, MAX_N, InvalidParameterError, SamplingParams
 
 INT32 = 2**31 - 1
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries in one request's logit_bias
 INT64 = 2**63 - 1
 
 
@@ -158,6 +159,8 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's: token ids (as strings, JSON's keys) to a bias in [-100, 100] added to their logits.
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     # UNSUPPORTED_VLLM_EXTRAS, declared so that asking for them is refused, never ignored.
     guided_json: Any = None
     guided_regex: Any = None
@@ -174,6 +177,16 @@ class SamplingFields(RequestModel):
     priority: Any = None
     return_tokens_as_token_ids: Any = None
     unsupported_extras: ClassVar[dict[str, Any]] = UNSUPPORTED_VLLM_EXTRAS
+
+    def _token_biases(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, bias in self.logit_bias.items():
+            if not (key.strip().isascii() and key.strip().isdigit()):
+                raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            biases[int(key)] = bias
+        return biases
 
     def _sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: SamplingDefaults
@@ -214,6 +227,7 @@ class SamplingFields(RequestModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=unless_set("repetition_penalty", 1.0),
+            logit_bias=self._token_biases(),
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -227,7 +241,6 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
-    logit_bias: dict[str, float] | None = None
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -249,8 +262,6 @@ class CompletionRequest(SamplingFields):
     def to_sampling_params(self, defaults: SamplingDefaults) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameterError("best_of", "best_of is not supported (it must equal n when given)")
-        if self.logit_bias:
-            raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.suffix:
             raise InvalidParameterError("suffix", "suffix is not supported")
         if self.max_tokens == 0 and not self.echo:
@@ -338,7 +349,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     add_generation_prompt: bool = True
-    logit_bias: dict[str, float] | None = None
     tools: list[dict[str, Any]] | None = None
     # Declared so that asking for them is refused (below), never silently ignored.
     echo: Any = None
@@ -356,8 +366,6 @@ class ChatCompletionRequest(SamplingFields):
     prediction: dict[str, Any] | None = None
 
     def to_sampling_params(self, default_max_tokens: int, defaults: SamplingDefaults) -> SamplingParams:
-        if self.logit_bias:
-            raise InvalidParameterError("logit_bias", "logit_bias is not supported")
         if self.tools:
             raise InvalidParameterError("tools", "tools are not supported")
         if self.tool_choice not in (None, "none"):

@@ -34,6 +34,7 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None = None
     repetition_penalties: torch.Tensor | None = None
     blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids not allowed now
+    logit_biases: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> token -> bias
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
 
     @property
@@ -102,6 +103,7 @@ class SamplingMetadata:
             frequency_penalties=frequency,
             repetition_penalties=repetition,
             blocked_token_ids={row: ids for row, ids in blocked_token_ids.items() if ids},
+            logit_biases={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias},
             max_num_logprobs=max(requested) if requested else None,
         )
 
@@ -121,6 +123,7 @@ class Sampler(torch.nn.Module):
             metadata.all_greedy
             and metadata.no_penalties
             and not metadata.blocked_token_ids
+            and not metadata.logit_biases
             and metadata.max_num_logprobs is None
         ):
             # The hot path: widening to fp32 is exact, so the argmax of the model's own dtype is the same.
@@ -129,6 +132,8 @@ class Sampler(torch.nn.Module):
         # Logprobs describe the raw model distribution, before any processing (vLLM's default).
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
 
+        if metadata.logit_biases:  # before the penalties, as vLLM's logits processors
+            logits = apply_logit_biases(logits, metadata.logit_biases)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
         if metadata.blocked_token_ids:
@@ -194,6 +199,16 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     if metadata.presence_penalties is not None:
         logits = logits - metadata.presence_penalties.unsqueeze(1) * (output_counts > 0).float()
     return logits
+
+
+def apply_logit_biases(logits: torch.Tensor, biases: dict[int, dict[int, float]]) -> torch.Tensor:
+    rows = [row for row, bias in biases.items() for _ in bias]
+    cols = [token for bias in biases.values() for token in bias]
+    values = [value for bias in biases.values() for value in bias.values()]
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    return logits.index_put(
+        index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True
+    )
 
 
 def apply_blocked_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> torch.Tensor:
