@@ -184,7 +184,10 @@ class TemplateSpec(Wire):
     )
     resources: dict[str, Any] | None = free_form("Container resources (requests, limits) of every rank.")
     gpus_per_rank: int = Field(
-        default=0, ge=0, le=16, description="Accelerators per rank pod, added to requests and limits."
+        default=0,
+        ge=0,
+        le=1,  # a rank runs on one device: a second would sit idle, reserved from everyone else
+        description="Accelerators per rank pod (0 or 1: a rank runs on one), added to requests and limits.",
     )
     gpu_resource_name: str = Field(
         default="nvidia.com/gpu", min_length=1, description="Extended resource name of the accelerator."

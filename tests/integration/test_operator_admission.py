@@ -45,6 +45,7 @@ def manifest(**spec: Any) -> str:
         ({"placement": {"mode": "sometimes"}}, "spec.placement.mode"),
         ({"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
         ({"engine": {"samplingDefaults": {"topP": 0}}}, "spec.engine.samplingDefaults.topP"),
+        ({"template": {"gpusPerRank": 2}}, "spec.template.gpusPerRank"),
     ],
 )
 def test_schema_rejects_types_and_ranges(
