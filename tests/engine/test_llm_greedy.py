@@ -338,6 +338,8 @@ def test_a_stop_token_ends_the_output_without_its_text_and_min_tokens_holds_off_
         ({"logit_bias": {5: 101.0}}, "logit_bias values must be numbers in [-100, 100]"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias values must be numbers in [-100, 100]"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids must be non-negative integers"),
     ],
 )
 def test_bad_sampling_params_raise_value_error(kwargs, message):

@@ -59,13 +59,13 @@ USER = [{"role": "user", "content": "x"}]
             {"messages": USER, "structured_outputs": {"json": {}}},
             "structured_outputs",
         ),
-        ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
         ("/v1/completions", {"prompt": "hi", "bad_words": ["no"]}, "bad_words"),
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
-        # vLLM's other extras: beam search, prompt truncation, priorities, chat template control.
+        # vLLM's other extras: beam search, priorities, chat template control.
         ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", {"prompt": "hi", "length_penalty": 0.5}, "length_penalty"),
-        ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
+        ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, "prompt"),  # nothing left
         ("/v1/chat/completions", {"messages": USER, "priority": 1}, "priority"),
         ("/v1/chat/completions", {"messages": USER, "echo": True}, "echo"),
         (

@@ -47,6 +47,7 @@ def post_raw(server: ServerProcess, path: str, content: bytes, **headers: str) -
         (COMPLETIONS, {"prompt": [[1, 2], [3, 2**31 - 1]]}, "prompt"),
         (COMPLETIONS, {"prompt": "hi", "logit_bias": {"99999999": 5}}, "logit_bias"),
         (CHAT, {"messages": MESSAGES, "logit_bias": {"-1": 1}}, "logit_bias"),
+        (COMPLETIONS, {"prompt": "hi", "allowed_token_ids": [1, VOCAB_SIZE]}, "allowed_token_ids"),
         (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs"),
         (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from tests.serving.server import MODEL_NAME, ServerProcess, metric_value
 
@@ -370,10 +371,11 @@ def test_echo_with_logprobs_scores_the_prompt_too(client: openai.OpenAI) -> None
     assert [x for c in streamed if c.logprobs for x in (c.logprobs.token_logprobs or [])] == lp.token_logprobs
 
 
-def test_logit_bias_forces_or_bans_tokens_offline_and_served_alike(
+def test_logit_bias_and_allowed_token_ids_steer_tokens_offline_and_served_alike(
     client: openai.OpenAI, tiny_llama_dir: Path
 ) -> None:
-    """+100 makes a token all but certain, -100 all but banned (OpenAI's words; vLLM's too)."""
+    """logit_bias: +100 makes a token all but certain, -100 all but banned (OpenAI's words);
+    allowed_token_ids (vLLM's): only those may come."""
     from tessera import LLM, SamplingParams
 
     prompt, greedy = "Once upon a time", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -383,17 +385,54 @@ def test_logit_bias_forces_or_bans_tokens_offline_and_served_alike(
         avoided = llm.generate(prompt, replace(greedy, logit_bias=banned))[0].outputs[0]
         forced_id = next(t for t in range(3, 400) if t not in banned)
         forced = llm.generate(prompt, replace(greedy, logit_bias={forced_id: 100.0}))[0].outputs[0]
+        allowed = [forced_id, forced_id + 1]
+        held = llm.generate(prompt, replace(greedy, allowed_token_ids=allowed))[0].outputs[0]
     assert not set(avoided.token_ids) & set(banned) and forced.token_ids == [forced_id] * 6
+    assert set(held.token_ids) <= set(allowed)
 
-    def served(bias: dict[int, float]) -> str:
+    def served(bias: dict[int, float] | None = None, only: list[int] | None = None) -> str:
         answer = client.completions.create(
             model=MODEL_NAME,
             prompt=prompt,
             max_tokens=6,
             temperature=0.0,
-            logit_bias={str(token): value for token, value in bias.items()},  # JSON's keys are strings
-            extra_body={"ignore_eos": True},
+            logit_bias={
+                str(token): value for token, value in (bias or {}).items()
+            },  # JSON's keys are strings
+            extra_body={"ignore_eos": True, "allowed_token_ids": only},
         )
         return answer.choices[0].text
 
     assert served(banned) == avoided.text and served({forced_id: 100.0}) == forced.text
+    assert served(only=allowed) == held.text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    client: openai.OpenAI, tiny_llama_dir: Path
+) -> None:
+    """vLLM's left truncation: a prompt past the context is served from its last k tokens, as if
+    only those had been sent (echoed as their text); -1 keeps as many as a prompt may have."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    long_prompt = "Once upon a time there was a tiny model. " * 40  # far past the 128-token context
+    tail = tokenizer(long_prompt).input_ids[-20:]
+    kwargs = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    truncated = client.completions.create(
+        prompt=long_prompt,
+        echo=True,
+        **{**kwargs, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 20}},
+    )
+    direct = client.completions.create(prompt=tail, **kwargs)
+    assert truncated.usage is not None and truncated.usage.prompt_tokens == 20
+    assert truncated.choices[0].text == tokenizer.decode(tail) + direct.choices[0].text
+    widest = client.completions.create(
+        prompt=long_prompt, **{**kwargs, "max_tokens": 1, "extra_body": {"truncate_prompt_tokens": -1}}
+    )
+    assert widest.usage is not None and widest.usage.prompt_tokens == 127
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": long_prompt}],
+        **{**kwargs, "extra_body": {"truncate_prompt_tokens": 5}},
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(prompt="hi", **{**kwargs, "extra_body": {"truncate_prompt_tokens": -2}})
+    assert "truncate_prompt_tokens" in str(refused.value)

@@ -261,6 +261,17 @@ def test_logit_bias_moves_each_rows_own_tokens_and_leaves_the_logprobs_raw() -> 
     assert best not in drawn.tolist()
 
 
+def test_allowed_token_ids_are_the_only_tokens_a_row_may_take() -> None:
+    logits = random_logits(2, seed=5, vocab=20)
+    order = logits[0].argsort(descending=True).tolist()
+    allowed = [order[-1], order[-3]]  # two unlikely tokens: greedy takes the likelier of them
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), SamplingParams(temperature=0.0)]
+    assert sample(logits, params).tolist() == [order[-3], int(logits[1].argmax())]
+    batch = logits[:1].expand(DRAWS, -1).contiguous()
+    drawn = sample(batch, [SamplingParams(temperature=1.0, allowed_token_ids=allowed)] * DRAWS)
+    assert set(drawn.tolist()) == set(allowed)
+
+
 def test_logprobs_are_raw_log_softmax_with_sorted_top_tokens() -> None:
     logits = random_logits(4, seed=10)
     params = [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -134,11 +135,10 @@ class AsyncLLM:
         return max(0, len(self._timings) - self.last_stats.num_running_reqs)
 
     # --- requests -------------------------------------------------------------------------
-    async def tokenize_async(
-        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt"
-    ) -> list[int]:
-        """Token ids of a prompt; InvalidParameterError for an empty, invalid or over-long one."""
-        return await self._off_loop(self.processor.tokenize, prompt, add_special_tokens, param)
+    async def tokenize_async(self, prompt: str | list[int], **options: Any) -> list[int]:
+        """InputProcessor.tokenize (same options) off the event loop; InvalidParameterError for
+        an empty, invalid or over-long prompt."""
+        return await self._off_loop(functools.partial(self.processor.tokenize, prompt, **options))
 
     async def encode_async(
         self, text: str, add_special_tokens: bool = True, param: str = "prompt"

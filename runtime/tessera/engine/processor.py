@@ -98,11 +98,19 @@ class InputProcessor:
         return text
 
     def tokenize(
-        self, prompt: str | list[int], add_special_tokens: bool = True, param: str = "prompt"
+        self,
+        prompt: str | list[int],
+        add_special_tokens: bool = True,
+        param: str = "prompt",
+        keep_last: int | None = None,
     ) -> list[int]:
-        """Token ids of a prompt; InvalidParameterError for an empty, invalid or over-long one."""
+        """Token ids of a prompt; InvalidParameterError for an empty, invalid or over-long one.
+        ``keep_last`` (vLLM's truncate_prompt_tokens): only its last tokens, however long it was;
+        -1: as many as a prompt may have."""
+        if keep_last == -1:
+            keep_last = self.max_prompt_len
         if isinstance(prompt, str):
-            if len(prompt) > self.max_prompt_chars:
+            if keep_last is None and len(prompt) > self.max_prompt_chars:
                 raise InvalidParameterError(
                     param,
                     f"{param} has {len(prompt)} characters, more than fit in the {self.max_prompt_len} "
@@ -113,6 +121,8 @@ class InputProcessor:
         else:
             token_ids = list(prompt)
             self.check_token_ids(token_ids, param)
+        if keep_last is not None:
+            token_ids = token_ids[-keep_last:] if keep_last > 0 else []
         if not token_ids:
             raise InvalidParameterError(param, f"{param} is empty")
         if len(token_ids) > self.max_prompt_len:
@@ -152,6 +162,8 @@ class InputProcessor:
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if params.logit_bias:
             self.check_token_ids(list(params.logit_bias), "logit_bias")
+        if params.allowed_token_ids:
+            self.check_token_ids(params.allowed_token_ids, "allowed_token_ids")
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidParameterError(
                 "logprobs", f"logprobs must be at most the vocabulary size {self.vocab_size}"

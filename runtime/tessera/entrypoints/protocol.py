@@ -118,12 +118,10 @@ UNSUPPORTED_VLLM_EXTRAS: dict[str, Any] = {
     "guided_grammar": None,
     "structured_outputs": None,
     "bad_words": None,
-    "allowed_token_ids": None,
     "logits_processors": None,
     "prompt_logprobs": None,
     "use_beam_search": False,
     "length_penalty": 1.0,
-    "truncate_prompt_tokens": None,
     "priority": 0,
     "return_tokens_as_token_ids": False,
 }
@@ -161,6 +159,10 @@ class SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False
     # OpenAI's: token ids (as strings, JSON's keys) to a bias in [-100, 100] added to their logits.
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    # vLLM's: only the prompt's last k tokens are used (-1: as many as a prompt may have).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
+    # vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = Field(None, min_length=1)
     # UNSUPPORTED_VLLM_EXTRAS, declared so that asking for them is refused, never ignored.
     guided_json: Any = None
     guided_regex: Any = None
@@ -168,12 +170,10 @@ class SamplingFields(RequestModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     bad_words: Any = None
-    allowed_token_ids: Any = None
     logits_processors: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    truncate_prompt_tokens: Any = None
     priority: Any = None
     return_tokens_as_token_ids: Any = None
     unsupported_extras: ClassVar[dict[str, Any]] = UNSUPPORTED_VLLM_EXTRAS
@@ -228,6 +228,7 @@ class SamplingFields(RequestModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=unless_set("repetition_penalty", 1.0),
             logit_bias=self._token_biases(),
+            allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
         )
 

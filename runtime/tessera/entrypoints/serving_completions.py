@@ -98,15 +98,19 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     params = body.to_sampling_params(ctx.engine.processor.sampling_defaults)
     prompts = body.prompts()
     ctx.check_params(params, len(prompts))
+    keep_last = body.truncate_prompt_tokens
     token_lists = [
-        await ctx.engine.tokenize_async(p, param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        await ctx.engine.tokenize_async(
+            p, param="prompt" if len(prompts) == 1 else f"prompt[{i}]", keep_last=keep_last
+        )
         for i, p in enumerate(prompts)
     ]
     for ids in token_lists:
         ctx.check_context(len(ids), params.max_tokens, "max_tokens")
     ctx.check_admission(len(prompts) * params.n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    texts: list[str | None] = [p if isinstance(p, str) else None for p in prompts]
+    # A truncated prompt is echoed as what the model saw.
+    texts: list[str | None] = [p if isinstance(p, str) and keep_last is None else None for p in prompts]
     if body.echo:  # token-id prompts are echoed as their text
         texts = [
             t if t is not None else decode(ctx.engine.tokenizer, ids)

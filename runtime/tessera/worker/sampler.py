@@ -35,6 +35,7 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None
     blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> ids not allowed now
     logit_biases: dict[int, dict[int, float]] = field(default_factory=dict)  # row -> token -> bias
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)  # row -> the only ids it may take
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
 
     @property
@@ -104,6 +105,9 @@ class SamplingMetadata:
             repetition_penalties=repetition,
             blocked_token_ids={row: ids for row, ids in blocked_token_ids.items() if ids},
             logit_biases={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias},
+            allowed_token_ids={
+                row: p.allowed_token_ids for row, p in enumerate(params) if p.allowed_token_ids
+            },
             max_num_logprobs=max(requested) if requested else None,
         )
 
@@ -124,6 +128,7 @@ class Sampler(torch.nn.Module):
             and metadata.no_penalties
             and not metadata.blocked_token_ids
             and not metadata.logit_biases
+            and not metadata.allowed_token_ids
             and metadata.max_num_logprobs is None
         ):
             # The hot path: widening to fp32 is exact, so the argmax of the model's own dtype is the same.
@@ -132,7 +137,10 @@ class Sampler(torch.nn.Module):
         # Logprobs describe the raw model distribution, before any processing (vLLM's default).
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
 
-        if metadata.logit_biases:  # before the penalties, as vLLM's logits processors
+        # Before the penalties, as vLLM's logits processors: the allowed set first, then biases.
+        if metadata.allowed_token_ids:
+            logits = apply_allowed_tokens(logits, metadata.allowed_token_ids)
+        if metadata.logit_biases:
             logits = apply_logit_biases(logits, metadata.logit_biases)
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
@@ -199,6 +207,15 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     if metadata.presence_penalties is not None:
         logits = logits - metadata.presence_penalties.unsqueeze(1) * (output_counts > 0).float()
     return logits
+
+
+def apply_allowed_tokens(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
+    rows = torch.tensor(list(allowed), device=logits.device)
+    keep = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool, device=logits.device)
+    for index, ids in enumerate(allowed.values()):
+        keep[index, torch.tensor(ids, device=logits.device)] = True
+    restricted = logits[rows].masked_fill(~keep, float("-inf"))
+    return logits.index_copy(0, rows, restricted)
 
 
 def apply_logit_biases(logits: torch.Tensor, biases: dict[int, dict[int, float]]) -> torch.Tensor:
