@@ -8,6 +8,7 @@ what makes a seeded request give the same tokens alone and inside any batch.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -212,26 +213,31 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
 def apply_allowed_tokens(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
     rows = torch.tensor(list(allowed), device=logits.device)
     keep = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool, device=logits.device)
-    for index, ids in enumerate(allowed.values()):
-        keep[index, torch.tensor(ids, device=logits.device)] = True
+    keep[row_token_index(dict(enumerate(allowed.values())), logits.device)] = True
     restricted = logits[rows].masked_fill(~keep, float("-inf"))
     return logits.index_copy(0, rows, restricted)
 
 
+def row_token_index(
+    tokens_by_row: Mapping[int, Iterable[int]], device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """(rows, tokens) indexing each row's own tokens in a [rows, vocab] tensor."""
+    pairs = [(row, token) for row, tokens in tokens_by_row.items() for token in tokens]
+    return tuple(
+        torch.tensor(column, dtype=torch.int64, device=device) for column in zip(*pairs, strict=True)
+    )
+
+
 def apply_logit_biases(logits: torch.Tensor, biases: dict[int, dict[int, float]]) -> torch.Tensor:
-    rows = [row for row, bias in biases.items() for _ in bias]
-    cols = [token for bias in biases.values() for token in bias]
     values = [value for bias in biases.values() for value in bias.values()]
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    index = row_token_index(biases, logits.device)
     return logits.index_put(
         index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True
     )
 
 
 def apply_blocked_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> torch.Tensor:
-    rows = [row for row, ids in blocked.items() for _ in ids]
-    cols = [token for ids in blocked.values() for token in ids]
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+    index = row_token_index(blocked, logits.device)
     return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
 
