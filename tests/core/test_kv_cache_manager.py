@@ -8,8 +8,8 @@ from tessera.core.request import Request
 from tessera.sampling_params import SamplingParams
 
 
-def make_request(request_id: str, tokens: list[int]) -> Request:
-    return Request(request_id, tokens, SamplingParams(max_tokens=4), eos_token_id=None)
+def make_request(request_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), eos_token_id=None, cache_salt=cache_salt)
 
 
 def test_free_queue_is_lru_and_tail_first():
@@ -49,6 +49,23 @@ def test_prefix_hit_is_shared_and_capped_below_the_last_token():
     kv.free(first)
     kv.free(longer)
     assert kv.usage == 0.0
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(9))
+    owner = make_request("a", prompt, cache_salt="tenant-a")
+    assert kv.allocate_slots(owner, 9)
+    kv.confirm_computed("a", 9)
+    assert kv.get_computed_blocks(make_request("unsalted", prompt))[1] == 0
+    assert kv.get_computed_blocks(make_request("other", prompt, cache_salt="tenant-b"))[1] == 0
+    hits, num_hit = kv.get_computed_blocks(make_request("same", prompt, cache_salt="tenant-a"))
+    assert num_hit == 8 and [b.block_id for b in hits] == kv.block_ids("a")[:2]
+    # Unsalted requests share with each other as before.
+    plain = make_request("p", prompt)
+    assert kv.allocate_slots(plain, 9)
+    kv.confirm_computed("p", 9)
+    assert kv.get_computed_blocks(make_request("p2", prompt))[1] == 8
 
 
 def test_freed_cached_blocks_are_reused_until_evicted():

@@ -152,6 +152,27 @@ def test_reset_prefix_cache_makes_the_same_prompts_compute_again(tiny_llama_dir:
     assert again == first[:1]
 
 
+def test_a_cache_salt_keeps_prompts_from_other_salts_out_of_the_prefix_cache(tiny_llama_dir: Path):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, max_model_len=128)
+    recorder = StatsRecorder(llm)
+    prompt = SHARED_PREFIX + QUESTIONS[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    def run(salt: str | None) -> tuple[list[int], int]:
+        recorder.prefix_hits = 0
+        item = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
+        return list(llm.generate(item, params)[0].outputs[0].token_ids), recorder.prefix_hits
+
+    first, _ = run("tenant-a")
+    assert run("tenant-b") == (first, 0)
+    assert run(None) == (first, 0)
+    same_salt, hits = run("tenant-a")
+    assert same_salt == first and hits > 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt": prompt, "cache_salt": ""}, params)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_sampling_seed_and_top_k(tiny_llama_dir: Path):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, block_size=8, max_model_len=128)
     prompt = "The weather today is"

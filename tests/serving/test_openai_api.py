@@ -288,6 +288,48 @@ def test_metrics_names_mirror_vllm(server: ServerProcess, client: openai.OpenAI)
     assert metric_value(text, "tessera:generation_tokens_total") == before + 3
 
 
+def test_cache_salt_shares_cached_prompts_only_within_a_salt(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    """vLLM's cache_salt: a prompt cached under one salt is no prefix-cache hit for another salt or
+    for none, and is one for the same salt again."""
+    prompt = f"A prompt of this test's own, {time.time_ns()}: " + "enough words to fill two blocks " * 3
+    metrics_url = f"{server.base_url}/metrics"
+
+    def counters() -> tuple[float, float]:
+        text = httpx.get(metrics_url).text
+        return tuple(  # type: ignore[return-value]
+            metric_value(text, f"tessera:prefix_cache_{name}_total") or 0.0 for name in ("queries", "hits")
+        )
+
+    def hit_tokens(salt: str | None, chat: bool = False) -> float:
+        queries, hits = counters()
+        extra = {"cache_salt": salt} if salt is not None else {}
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            client.chat.completions.create(
+                model=MODEL_NAME, messages=messages, max_tokens=1, extra_body=extra
+            )  # type: ignore[arg-type]
+        else:
+            client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, extra_body=extra)
+        deadline = time.monotonic() + 10
+        while counters()[0] == queries and time.monotonic() < deadline:  # stats come with the outputs
+            time.sleep(0.05)
+        return counters()[1] - hits
+
+    assert hit_tokens("tenant-a") == 0
+    assert hit_tokens("tenant-b") == 0
+    assert hit_tokens(None) == 0
+    assert hit_tokens("tenant-a") >= 32
+    assert hit_tokens("tenant-c", chat=True) == 0
+    assert hit_tokens("tenant-c", chat=True) >= 32
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""}
+        )
+    assert "cache_salt" in str(refused.value)
+
+
 def test_null_means_the_default(client: openai.OpenAI) -> None:
     """The SDK sends None as null; OpenAI and vLLM read it as the default."""
     completion = client.completions.create(

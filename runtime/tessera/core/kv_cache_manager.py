@@ -17,6 +17,13 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The first block's parent: a salt makes a chain of its own, which every later block inherits."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hashlib.sha256(_ROOT_HASH + b"\0salt\0" + cache_salt.encode()).digest()
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up
@@ -56,7 +63,7 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         num_full = request.num_tokens // self.block_size
         hashes = request.block_hashes
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
         for index in range(len(hashes), num_full):
             start = index * self.block_size
             parent = hash_block(parent, request.all_token_ids[start : start + self.block_size])

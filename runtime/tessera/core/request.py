@@ -53,8 +53,10 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         arrival_time: float = 0.0,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -87,6 +89,7 @@ class Request:
             request.sampling_params,
             request.eos_token_id,
             request.arrival_time,
+            request.cache_salt,
         )
 
     @property
@@ -126,3 +129,5 @@ def check_request_fields(request: EngineCoreRequest) -> None:
         raise RequestRejected("eos_token_id must be a non-negative integer")
     if type(request.arrival_time) not in (int, float):
         raise RequestRejected("arrival_time must be a number")
+    if request.cache_salt is not None and (type(request.cache_salt) is not str or not request.cache_salt):
+        raise RequestRejected("cache_salt must be a non-empty string")

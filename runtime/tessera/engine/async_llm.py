@@ -161,13 +161,14 @@ class AsyncLLM:
         params: SamplingParams,
         prompt: str | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request as the engine produces them; closing the generator aborts it."""
         if self.dead_error is not None:
             raise self.dead_error
         self.start()
         arrival = time.time()
-        children = self.processor.process(request_id, prompt_token_ids, params, arrival)
+        children = self.processor.process(request_id, prompt_token_ids, params, arrival, cache_salt)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, children, output_kind)
         stream = _Stream(children=[child.request_id for child in children])
         self._streams[request_id] = stream

@@ -24,6 +24,9 @@ class EngineCoreRequest:
     sampling_params: SamplingParams  # always n=1 here: the frontend fans n>1 out
     eos_token_id: int | None
     arrival_time: float
+    # Mixed into the first KV block's hash: only requests with the same salt share cached
+    # prefixes (vLLM's cache_salt), so one tenant cannot time another's prompts out of the cache.
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -36,6 +36,11 @@ def max_prompt_tokens(config: EngineConfig, max_model_len: int) -> int:
     return longest
 
 
+def check_cache_salt(cache_salt: object) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidParameterError("cache_salt", "cache_salt must be a non-empty string if provided")
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -175,8 +180,10 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per sample: n>1 fans out to children with derived seeds."""
+        check_cache_salt(cache_salt)
         self.check_params(params)
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
@@ -188,6 +195,7 @@ class InputProcessor:
                 sampling_params=params.for_child(index) if params.n > 1 else params,
                 eos_token_id=self.eos_token_id,
                 arrival_time=arrival,
+                cache_salt=cache_salt,
             )
             for index in range(params.n)
         ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from tqdm import tqdm
@@ -16,9 +17,18 @@ from tessera.engine.processor import InputProcessor
 from tessera.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
 
-# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids".
+# A prompt is text, or a dict with "prompt" (text) or "prompt_token_ids", and optionally
+# "cache_salt" (vLLM's TextPrompt / TokensPrompt).
 Prompt: TypeAlias = str | dict[str, Any]
 ChatMessages: TypeAlias = list[dict[str, Any]]
+
+
+@dataclass
+class _Input:
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
 
 
 class LLM:
@@ -72,8 +82,9 @@ class LLM:
         """One RequestOutput per prompt, in the prompts' order."""
         prompt_list: list[Prompt] = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = self._params_for(sampling_params, len(prompt_list))
-        tokenized = [self._tokenize(prompt) for prompt in prompt_list]
-        inputs = [(text, ids, params) for (text, ids), params in zip(tokenized, params_list, strict=True)]
+        inputs = [
+            self._input(prompt, params) for prompt, params in zip(prompt_list, params_list, strict=True)
+        ]
         return self._run(self._add_requests(inputs), use_tqdm)
 
     def chat(
@@ -89,7 +100,7 @@ class LLM:
         inputs = []
         for conversation, params in zip(conversations, params_list, strict=True):
             text = self.input_processor.render_chat(conversation, add_generation_prompt)  # type: ignore[arg-type]
-            inputs.append((text, self.input_processor.tokenize(text, add_special_tokens=False), params))
+            inputs.append(_Input(text, self.input_processor.tokenize(text, add_special_tokens=False), params))
         return self._run(self._add_requests(inputs), use_tqdm)
 
     # -- internals ------------------------------------------------------------------------------
@@ -104,22 +115,26 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")
         return list(sampling_params)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _input(self, prompt: Prompt, params: SamplingParams) -> _Input:
         if isinstance(prompt, str):
-            return prompt, self.input_processor.tokenize(prompt)
+            return _Input(prompt, self.input_processor.tokenize(prompt), params)
+        salt = prompt.get("cache_salt")
         if "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), self.input_processor.tokenize(list(prompt["prompt_token_ids"]))
+            token_ids = self.input_processor.tokenize(list(prompt["prompt_token_ids"]))
+            return _Input(prompt.get("prompt"), token_ids, params, salt)
         if "prompt" in prompt:
-            return prompt["prompt"], self.input_processor.tokenize(prompt["prompt"])
+            return _Input(prompt["prompt"], self.input_processor.tokenize(prompt["prompt"]), params, salt)
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
 
-    def _add_requests(self, inputs: Sequence[tuple[str | None, list[int], SamplingParams]]) -> list[str]:
+    def _add_requests(self, inputs: Sequence[_Input]) -> list[str]:
         """Check every prompt, then add them all: a bad one fails the call and leaves none behind."""
         checked = []
-        for prompt, token_ids, params in inputs:
+        for item in inputs:
             request_id = str(next(self._request_counter))
-            children = self.input_processor.process(request_id, token_ids, params)
-            checked.append((request_id, prompt, token_ids, params, children))
+            children = self.input_processor.process(
+                request_id, item.token_ids, item.params, cache_salt=item.cache_salt
+            )
+            checked.append((request_id, item.text, item.token_ids, item.params, children))
         added: list[str] = []
         try:
             for request_id, prompt, token_ids, params, children in checked:

@@ -163,6 +163,8 @@ class SamplingFields(RequestModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT32)
     # vLLM's: only these token ids may be sampled.
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = Field(None, min_length=1)
+    # vLLM's: only requests with the same salt share prefix-cache blocks (a tenant's secret).
+    cache_salt: str | None = Field(None, min_length=1)
     # UNSUPPORTED_VLLM_EXTRAS, declared so that asking for them is refused, never ignored.
     guided_json: Any = None
     guided_regex: Any = None

@@ -90,7 +90,7 @@ async def create_chat_completion(
     ctx.check_admission(params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
-    generator = ctx.engine.generate(request_id, token_ids, params, prompt, kind)
+    generator = ctx.engine.generate(request_id, token_ids, params, prompt, kind, cache_salt=body.cache_salt)
     top_n = body.top_logprobs or 0
     if body.stream:
         return StreamingResponse(

@@ -118,7 +118,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
         ]
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     generators = [
-        ctx.engine.generate(f"{request_id}-{i}", ids, params, texts[i], kind)
+        ctx.engine.generate(f"{request_id}-{i}", ids, params, texts[i], kind, cache_salt=body.cache_salt)
         for i, ids in enumerate(token_lists)
     ]
     if body.stream:
