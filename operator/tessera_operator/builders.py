@@ -177,13 +177,14 @@ def affinity_for(spec: InferenceClusterSpec, cluster: str, group: int, stage: in
 
 
 def env_for(topology: Topology, spec: InferenceClusterSpec) -> list[dict[str, Any]]:
-    """The user's variables first, then the contract; the webhook rejects user names that clash."""
-    env = [var.wire() for var in spec.template.env if var.name not in RESERVED_ENV]
-    user_names = {var["name"] for var in env}
-    env += [{"name": k, "value": v} for k, v in topology.to_env().items()]
+    """The contract first, then the user's variables (the webhook rejects names that clash): the
+    kubelet expands `$(TESSERA_RANK)` in a value only from variables listed before it."""
+    user = [var.wire() for var in spec.template.env if var.name not in RESERVED_ENV]
+    user_names = {var["name"] for var in user}
+    env = [{"name": k, "value": v} for k, v in topology.to_env().items()]
     env.append({"name": "PYTHONHASHSEED", "value": PYTHONHASHSEED})
     env += [{"name": k, "value": v} for k, v in WRITABLE_ENV.items() if k not in user_names]
-    return env
+    return env + user
 
 
 def volumes_for(spec: InferenceClusterSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -369,7 +370,9 @@ def build_disruption_budget(
         # An integer minAvailable: the disruption controller counts the selected pods and needs
         # no scale subresource in pods (ours counts groups).
         "minAvailable": pods - 1,
-        "selector": {"matchLabels": naming.cluster_selector(ref.name)},
+        # Rank pods only: another pod with the cluster label (a client let through a
+        # NetworkPolicy) would count as available and let a second rank go.
+        "selector": {"matchLabels": {**naming.cluster_selector(ref.name), **naming.MANAGED_BY}},
     }
     if api_version == "policy/v1":  # 1.26+: a pod that is not Ready serves nothing; let it go
         budget["unhealthyPodEvictionPolicy"] = "AlwaysAllow"

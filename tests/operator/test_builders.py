@@ -202,6 +202,12 @@ def test_rank_pods_hold_no_token_and_write_only_to_their_empty_dirs() -> None:
     assert (env["TESSERA_CACHE"], env["TMPDIR"], env["HOME"]) == ("/cache", "/tmp", "/tmp")
 
 
+def test_user_variables_come_after_the_topology_so_they_may_refer_to_it() -> None:
+    spec = spec_of(template={"env": [{"name": "SHARD_DIR", "value": "/cache/$(TESSERA_RANK)"}]})
+    names = [e["name"] for e in builders.build_pod(REF, spec, "r", 0, 1, 0)["spec"]["containers"][0]["env"]]
+    assert names.index("TESSERA_RANK") < names.index("SHARD_DIR")
+
+
 def test_the_user_may_point_the_cache_at_a_volume_of_their_own() -> None:
     spec = spec_of(
         template={
@@ -225,7 +231,9 @@ def test_the_disruption_budget_lets_one_rank_go_at_a_time_and_only_with_two_grou
     assert budget(0) is None and budget(1) is None  # a drain must always be able to proceed
     two = budget(2)
     assert two is not None and two["spec"]["minAvailable"] == 11
-    assert two["spec"]["selector"] == {"matchLabels": {"tessera.dev/cluster": "demo"}}
+    assert two["spec"]["selector"] == {
+        "matchLabels": {"tessera.dev/cluster": "demo", "app.kubernetes.io/managed-by": "tessera-operator"}
+    }
     assert two["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     assert two["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     old = budget(2, "policy/v1beta1")

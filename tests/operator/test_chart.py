@@ -1,5 +1,6 @@
 """The Helm chart renders least-privilege RBAC for each mode (helm from the k8s binary cache)."""
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,12 @@ HELM = default_bin_dir() / "helm"
 pytestmark = pytest.mark.skipif(not HELM.exists(), reason="helm not installed (make k8s)")
 
 
-def render(*sets: str, release: str = "rel", namespace: str = "ops") -> list[dict[str, Any]]:
+def render(
+    *sets: str, release: str = "rel", namespace: str = "ops", values: Path | None = None
+) -> list[dict[str, Any]]:
     args = [str(HELM), "template", release, str(CHART), "-n", namespace, "--include-crds"]
+    if values is not None:
+        args += ["-f", str(values)]
     for value in sets:
         args += ["--set", value]
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
@@ -145,6 +150,22 @@ def test_bad_values_are_refused_naming_the_value() -> None:
     assert "/operator/logLevel" in refusal("operator.logLevel=trace")
     # Never the namespace's `default` account: every pod there would get the operator's rights.
     assert "serviceAccount.name is required" in refusal("serviceAccount.create=false")
+    # A scope that looks narrow but is not: cluster-wide rights, every namespace watched.
+    assert "watch.namespaces" in refusal("watch.clusterWide=true", "watch.namespaces={team-a}")
+
+
+def test_large_numbers_reach_the_operator_as_integers(tmp_path: Path) -> None:
+    """YAML numbers are floats to Helm: 10000000 printed as is would be 1e+07, which no int flag takes."""
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        "operator: {workers: 10000000, concurrency: 2000000, healthPort: 8081}\nwebhook: {port: 9443}\n"
+    )
+    docs = render("webhook.enabled=true", values=values)
+    [deployment] = [d for d in docs if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    options = parse_args([a for a in args if a.startswith(("--workers", "--concurrency", "--webhook-port"))])
+    assert (options.workers, options.concurrency, options.webhook_port) == (10000000, 2000000, 9443)
+    assert "--workers=10000000" in args and "--webhook-port=9443" in args
 
 
 def test_pod_labels_add_to_the_charts_own_and_never_replace_them() -> None:
@@ -168,12 +189,14 @@ def test_two_releases_of_one_name_in_two_namespaces_share_no_cluster_scoped_obje
     assert {k for k, _ in team_a} >= {"ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration"}
 
 
-def test_a_long_release_keeps_the_webhook_service_a_valid_name() -> None:
-    docs = render("webhook.enabled=true", release="r" * 52)
+@pytest.mark.parametrize("release", ["r" * 52, "my.release", "1st"])
+def test_any_release_name_keeps_the_webhook_service_a_valid_name(release: str) -> None:
+    """A Service name is a DNS-1035 label: at most 63 characters, no dots, a letter first."""
+    docs = render("webhook.enabled=true", release=release)
     [service] = [d for d in docs if d["kind"] == "Service"]
     [deploy] = [d for d in docs if d["kind"] == "Deployment"]
     args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert len(service["metadata"]["name"]) <= 63
+    assert re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", service["metadata"]["name"])
     assert f"--webhook-service=ops/{service['metadata']['name']}" in args
 
 

@@ -12,8 +12,11 @@ two namespaces (one per team) must not fight over one ClusterRole or webhook con
 {{- printf "%s-%s" (include "tessera.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
+{{/* A Service name is a DNS-1035 label (no dots, a letter first), stricter than a release name. */}}
 {{- define "tessera.webhookServiceName" -}}
-{{- printf "%s-webhook" (include "tessera.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- $name := printf "%s-webhook" (include "tessera.fullname" .) | replace "." "-" -}}
+{{- if regexMatch "^[^a-z]" $name -}}{{- $name = printf "svc-%s" $name -}}{{- end -}}
+{{- $name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "tessera.image" -}}
