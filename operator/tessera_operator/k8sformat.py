@@ -87,3 +87,70 @@ def check_resources(field: str, resources: Mapping[str, Any] | None) -> list[Fie
         if limit is not None and request > limit:
             errors.append(FieldError(f"{field}.requests[{name}]", f"must be <= {field}.limits[{name}]"))
     return errors
+
+
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+ENV_SOURCES = frozenset({"fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef", "fileKeyRef"})
+TOLERATION_OPERATORS = ("", "Exists", "Equal")
+TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+
+
+def check_env_source(field: str, value: str | None, source: Mapping[str, Any] | None) -> list[FieldError]:
+    """A variable has a literal value or one source (the API server's rule), never both."""
+    if source is None:
+        return []
+    if value:
+        return [FieldError(f"{field}.valueFrom", "may not be given with a non-empty value")]
+    sources = [key for key in source if key in ENV_SOURCES]
+    if len(sources) != 1 or len(source) != 1:
+        return [
+            FieldError(f"{field}.valueFrom", f"must hold exactly one of {', '.join(sorted(ENV_SOURCES))}")
+        ]
+    return []
+
+
+def check_volume(field: str, volume: Mapping[str, Any]) -> list[FieldError]:
+    """A name (a DNS label) and exactly one volume type."""
+    name = volume.get("name")
+    if not isinstance(name, str) or not _DNS1123_LABEL.match(name):
+        return [FieldError(f"{field}.name", "must be a DNS label: 1-63 lowercase alphanumerics or '-'")]
+    types = [key for key in volume if key != "name"]
+    if len(types) != 1:
+        what = "no volume type" if not types else f"{len(types)} volume types ({', '.join(types)})"
+        return [FieldError(field, f"must have exactly one volume type, got {what}")]
+    return []
+
+
+def check_volume_mount(field: str, mount: Mapping[str, Any]) -> list[FieldError]:
+    path = mount.get("mountPath")
+    if not isinstance(path, str) or not path:
+        return [FieldError(f"{field}.mountPath", "is required")]
+    return []
+
+
+def check_toleration(field: str, toleration: Mapping[str, Any]) -> list[FieldError]:
+    errors = []
+    operator = toleration.get("operator", "")
+    if operator not in TOLERATION_OPERATORS:
+        errors.append(FieldError(f"{field}.operator", "must be Exists or Equal"))
+    elif operator == "Exists" and toleration.get("value"):
+        errors.append(FieldError(f"{field}.value", "must be empty when operator is Exists"))
+    if toleration.get("effect", "") not in TAINT_EFFECTS:
+        errors.append(FieldError(f"{field}.effect", "must be NoSchedule, PreferNoSchedule or NoExecute"))
+    if not toleration.get("key") and operator != "Exists":
+        errors.append(FieldError(f"{field}.operator", "must be Exists when key is empty"))
+    return errors
+
+
+def check_affinity(field: str, affinity: Mapping[str, Any] | None) -> list[FieldError]:
+    """Only the three kinds, each an object (the operator adds its own podAffinity term to it)."""
+    errors = []
+    for key, value in (affinity or {}).items():
+        if key not in AFFINITY_KINDS:
+            errors.append(
+                FieldError(f"{field}.{key}", f"unknown key (expected one of {', '.join(AFFINITY_KINDS)})")
+            )
+        elif not isinstance(value, Mapping):
+            errors.append(FieldError(f"{field}.{key}", "must be an object"))
+    return errors

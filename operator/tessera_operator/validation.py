@@ -19,9 +19,14 @@ from tessera_operator import naming
 from tessera_operator.api import InferenceClusterSpec, TemplateSpec
 from tessera_operator.fielderror import FieldError
 from tessera_operator.k8sformat import (
+    check_affinity,
     check_annotations,
+    check_env_source,
     check_labels,
     check_resources,
+    check_toleration,
+    check_volume,
+    check_volume_mount,
     qualified_name_problem,
 )
 from tessera_operator.known_models import known_num_layers
@@ -143,6 +148,7 @@ def validate_volumes(template: TemplateSpec) -> list[FieldError]:
     names: set[str] = set()
     for i, volume in enumerate(template.volumes):
         name = volume.get("name")
+        errors += check_volume(f"spec.template.volumes[{i}]", volume)
         if name in naming.OPERATOR_VOLUMES:
             errors.append(
                 FieldError(f"spec.template.volumes[{i}].name", f"{name!r} is a volume of the operator")
@@ -151,6 +157,7 @@ def validate_volumes(template: TemplateSpec) -> list[FieldError]:
             errors.append(FieldError(f"spec.template.volumes[{i}].name", f"duplicate volume {name!r}"))
         names.add(str(name))
     for i, mount in enumerate(template.volume_mounts):
+        errors += check_volume_mount(f"spec.template.volumeMounts[{i}]", mount)
         if mount.get("name") not in names:
             errors.append(
                 FieldError(
@@ -176,6 +183,10 @@ def validate_template(template: TemplateSpec) -> list[FieldError]:
     for i, var in enumerate(template.env):
         if var.name in RESERVED_ENV:
             errors.append(FieldError(f"{field}.env[{i}].name", f"{var.name} is set by the operator"))
+        errors += check_env_source(f"{field}.env[{i}]", var.value, var.value_from)
+    for i, toleration in enumerate(template.tolerations):
+        errors += check_toleration(f"{field}.tolerations[{i}]", toleration)
+    errors += check_affinity(f"{field}.affinity", template.affinity)
     return errors + validate_volumes(template)
 
 

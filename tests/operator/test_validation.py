@@ -178,6 +178,41 @@ TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path
             "spec.template.volumeMounts[0].name",
         ),
         ({"restartPolicy": {"backoffMaxSeconds": 1e308}}, "spec.restartPolicy.backoffMaxSeconds"),
+        # Kubernetes' own pod rules: each of these would fail every pod create with a 422.
+        (
+            {
+                "template": {
+                    "env": [{"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}]
+                }
+            },
+            "spec.template.env[0].valueFrom",
+        ),
+        ({"template": {"env": [{"name": "A", "valueFrom": {}}]}}, "spec.template.env[0].valueFrom"),
+        ({"template": {"volumes": [{"name": "a"}]}}, "spec.template.volumes[0]"),
+        (
+            {"template": {"volumes": [{"name": "a", "emptyDir": {}, "configMap": {}}]}},
+            "spec.template.volumes[0]",
+        ),
+        ({"template": {"volumes": [{"emptyDir": {}}]}}, "spec.template.volumes[0].name"),
+        ({"template": {"volumes": [{"name": "Cache_1", "emptyDir": {}}]}}, "spec.template.volumes[0].name"),
+        (
+            {"template": {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a"}]}},
+            "spec.template.volumeMounts[0].mountPath",
+        ),
+        (
+            {"template": {"tolerations": [{"key": "k", "operator": "Bogus"}]}},
+            "spec.template.tolerations[0].operator",
+        ),
+        (
+            {"template": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+            "spec.template.tolerations[0].value",
+        ),
+        (
+            {"template": {"tolerations": [{"key": "k", "effect": "Never"}]}},
+            "spec.template.tolerations[0].effect",
+        ),
+        ({"template": {"affinity": {"nodeAffinity": "x"}}}, "spec.template.affinity.nodeAffinity"),
+        ({"template": {"affinity": {"zoneAffinity": {}}}}, "spec.template.affinity.zoneAffinity"),
     ],
 )
 def test_what_would_fail_or_escalate_in_the_pods_is_rejected_naming_the_field(
@@ -197,6 +232,28 @@ def test_the_restricted_profiles_volume_types_pass() -> None:
         {"name": "p", "projected": {"sources": [{"configMap": {"name": "cfg"}}, {"downwardAPI": {}}]}},
     ]
     assert fields("demo", template={"volumes": volumes}) == []
+
+
+def test_valid_pod_fields_pass() -> None:
+    template = {
+        "env": [
+            {"name": "A", "value": "1"},
+            {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "EMPTY", "value": "", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "m"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+        "tolerations": [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "team", "operator": "Equal", "value": "ml"},
+            {"key": "spot", "value": "true"},
+            {"operator": "Exists"},
+        ],
+        "affinity": {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
+        },
+    }
+    assert fields("demo", template=template) == []
 
 
 def test_the_operators_configuration_opens_each_restriction() -> None:
