@@ -50,15 +50,76 @@ class ClusterRef:
     uid: str
 
 
+# What a revision is measured against: each pod-affecting field's default in the release that
+# added it. Never edit an entry. The API server stores CRD defaults in every object it admits, so
+# when a release changes a default, the old value sits in the objects. If the hash compared with
+# the new default, that release would roll every cluster into identical pods. A new field's entry
+# is its first default (test_builders checks that every field has one).
+REVISION_BASELINE: dict[str, Any] = {
+    "model": {"servedName": None, "dtype": "auto", "maxModelLen": None},
+    "parallelism": {"tensor": 1, "pipeline": 1, "sequenceParallel": False, "layerPartition": None},
+    "engine": {
+        "maxNumSeqs": 128,
+        "maxNumBatchedTokens": 2048,
+        "blockSize": 16,
+        "kvCacheMemory": None,
+        "enablePrefixCaching": True,
+        "enableChunkedPrefill": True,
+        "generationConfig": "auto",
+        "samplingDefaults": None,
+    },
+    "template": {
+        "image": "localhost/tessera/runtime-cpu:0.1.0",
+        "imagePullPolicy": "IfNotPresent",
+        "imagePullSecrets": [],
+        "resources": None,
+        "gpusPerRank": 0,
+        "gpuResourceName": "nvidia.com/gpu",
+        "nodeSelector": {},
+        "tolerations": [],
+        "affinity": None,
+        "env": [],
+        "volumes": [],
+        "volumeMounts": [],
+        "serviceAccountName": None,
+        "priorityClassName": None,
+        "labels": {},
+        "annotations": {},
+    },
+    "placement": {"mode": "preferred", "topologyKey": "kubernetes.io/hostname"},
+}
+
+
+def differences(value: Any, baseline: Any, sparse: Any = None) -> Any:
+    """The parts of `value` that differ from `baseline` (objects compared key by key), or None;
+    each as `sparse` (the same dump without defaults: list items' unset fields left out) has it."""
+    if isinstance(value, dict) and isinstance(baseline, dict):
+        sparse = sparse if isinstance(sparse, dict) else {}
+        changed = {}
+        for key, item in value.items():
+            if key not in baseline:
+                changed[key] = sparse.get(key, item)
+            elif (difference := differences(item, baseline[key], sparse.get(key))) is not None:
+                changed[key] = difference
+        return changed or None
+    if value == baseline:
+        return None
+    return value if sparse is None else sparse
+
+
 def revision_of(spec: InferenceClusterSpec) -> str:
     """Stable hash of the pod-affecting spec: equal specs give equal revisions across restarts.
 
-    Only what the object sets counts, not the defaults: an operator release that adds a defaulted
-    field (or changes how pods are built) must not roll every cluster at once. Its pods reach
-    running clusters as their groups are recreated, or with the next change of their spec.
+    Only what differs from REVISION_BASELINE counts: an operator release that adds a defaulted
+    field, changes a default or changes how pods are built must not roll every cluster at once.
+    Its pods reach running clusters as their groups are recreated, or with the next change of
+    their spec.
     """
-    wire = spec.model_dump(by_alias=True, exclude_defaults=True, mode="json")
-    relevant = {key: wire.get(key) for key in pod_affecting_keys()}
+    wire = spec.model_dump(by_alias=True, mode="json")
+    sparse = spec.model_dump(by_alias=True, mode="json", exclude_defaults=True)
+    relevant = {
+        key: differences(wire[key], REVISION_BASELINE[key], sparse.get(key)) for key in pod_affecting_keys()
+    }
     digest = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
     return digest[:10]
 

@@ -1,4 +1,5 @@
 import argparse
+import copy
 from typing import Any
 
 import pytest
@@ -7,7 +8,7 @@ from tessera.engine.arg_utils import engine_config_from_args
 from tessera.entrypoints.serve_args import add_serve_args
 from tessera.topology import Topology
 from tessera_operator import builders, naming
-from tessera_operator.api import InferenceClusterSpec
+from tessera_operator.api import InferenceClusterSpec, TemplateSpec
 from tests.operator.sim import REF, spec_of
 
 
@@ -156,6 +157,59 @@ def test_revision_changes_with_pod_affecting_fields_only() -> None:
     # operator release that adds a defaulted field must not roll every cluster (it once did).
     explicit_defaults = {"engine": {"blockSize": 16}, "template": {"imagePullSecrets": [], "env": []}}
     assert base == builders.revision_of(spec_of(**explicit_defaults))
+
+
+def test_a_release_that_changes_a_default_keeps_the_stored_objects_revisions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The API server stored the old default in every object it admitted: those objects' pods are
+    what their spec says, and a new default of the operator's must not roll them."""
+    stored = spec_of(template={"image": builders.REVISION_BASELINE["template"]["image"]})
+    before = builders.revision_of(stored)
+    changed = copy.copy(TemplateSpec.model_fields["image"])
+    changed.default = "registry/runtime-cpu:0.2.0"
+    monkeypatch.setitem(TemplateSpec.model_fields, "image", changed)
+    TemplateSpec.model_rebuild(force=True)
+    InferenceClusterSpec.model_rebuild(force=True)
+    try:
+        assert TemplateSpec().image == "registry/runtime-cpu:0.2.0"  # the new release's default
+        assert (
+            builders.revision_of(InferenceClusterSpec.model_validate(stored.model_dump(by_alias=True)))
+            == before
+        )
+        # An object admitted under the new release holds the new image: other pods, another revision.
+        assert builders.revision_of(spec_of()) != before
+    finally:
+        monkeypatch.undo()
+        TemplateSpec.model_rebuild(force=True)
+        InferenceClusterSpec.model_rebuild(force=True)
+    assert TemplateSpec().image == builders.REVISION_BASELINE["template"]["image"]
+
+
+def test_every_pod_affecting_default_has_a_baseline_entry() -> None:
+    """A field added without one would count in every revision: the release adding it would roll
+    every cluster. Its entry is its first default, kept even when the default changes later."""
+    defaults = spec_of().model_dump(by_alias=True, mode="json")
+
+    def missing(value: object, baseline: object, path: str) -> list[str]:
+        if not isinstance(value, dict):
+            return []
+        if not isinstance(baseline, dict):
+            return [path]
+        return [
+            found
+            for key, item in value.items()
+            for found in (
+                [f"{path}.{key}"] if key not in baseline else missing(item, baseline[key], f"{path}.{key}")
+            )
+        ]
+
+    gaps = [
+        gap
+        for key in builders.pod_affecting_keys()
+        for gap in missing(defaults[key], builders.REVISION_BASELINE[key], key)
+    ]
+    assert gaps == ["model.source"]  # required: no default
 
 
 def test_services_headless_for_rendezvous_and_client_for_ready_leaders() -> None:
