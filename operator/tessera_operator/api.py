@@ -418,6 +418,10 @@ class InferenceClusterStatus(Wire):
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="The queue-depth autoscaler's last sample and decision."
     )
+    applied_spec: dict[str, Any] | None = free_form(
+        "The last spec the operator accepted: while a newer one is refused (InvalidSpec), the "
+        "groups keep running and are repaired as this one says."
+    )
 
 
 class InferenceCluster(Wire):

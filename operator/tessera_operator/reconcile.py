@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -30,7 +31,7 @@ from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
 from tessera_operator.status import build_status, degraded_status, keep_degraded, merge_patch
 from tessera_operator.timeutil import to_rfc3339
-from tessera_operator.validation import capped_spec, validate_object
+from tessera_operator.validation import capped_spec, validate_object, validate_spec
 
 log = logging.getLogger("tessera_operator.reconcile")
 COMPONENT = "tessera-operator"
@@ -93,9 +94,13 @@ class Reconciler:
             previous = InferenceClusterStatus()
         now = self.clock()
 
-        errors = validate_object(name, ic.get("spec") or {}, self.policy)
-        capped = capped_spec(ic.get("spec") or {}, errors, self.policy)
-        if errors and capped is None:
+        raw_spec = ic.get("spec") or {}
+        errors = validate_object(name, raw_spec, self.policy)
+        # A refused spec does not stop the cluster: its groups run and are repaired at the cap
+        # (too many replicas alone), or as the last accepted spec said.
+        capped = capped_spec(raw_spec, errors, self.policy)
+        fallback = capped or (self.last_accepted(previous) if errors else None)
+        if errors and fallback is None:
             await self.report(ic_path, ref, previous, degraded_status(
                 previous, generation, "InvalidSpec", "; ".join(str(e) for e in errors), now
             ))  # fmt: skip
@@ -108,7 +113,7 @@ class Reconciler:
         )
         pods = await self.adopt_orphans(ref, pods)
         try:  # pure: an exception here is a bug or a spec the rules missed, never transient
-            spec = capped or InferenceClusterSpec.model_validate(ic["spec"])
+            spec = fallback or InferenceClusterSpec.model_validate(raw_spec)
             revision = builders.revision_of(spec)
             observation = observe(name, ref.uid, pods)
             prior = {g.index: g for g in previous.groups}
@@ -116,6 +121,8 @@ class Reconciler:
             status = build_status(
                 name, generation, spec, revision, decision, builders.endpoint_of(ref), previous, now
             )
+            applied = previous.applied_spec if errors else storable_spec(raw_spec)
+            status = status.model_copy(update={"applied_spec": applied})
             existing = {p["metadata"]["name"] for p in pods}
             to_create = [
                 pod
@@ -152,8 +159,13 @@ class Reconciler:
             message = f"{refused[0]}{more}"
             failed = degraded_status(status, generation, refused[0].reason, message, now, previous)
             await self.report(ic_path, ref, intent, failed)
-        elif capped is not None:
-            message = f"{errors[0]}; holding {capped.replicas} groups until it is lowered"
+        elif errors:
+            held_as = (
+                f"holding {capped.replicas} groups until it is lowered"
+                if capped is not None
+                else f"running revision {revision}, the last accepted spec, until it is fixed"
+            )
+            message = f"{'; '.join(str(e) for e in errors)}; {held_as}"
             held = degraded_status(status, generation, "InvalidSpec", message, now, previous)
             await self.report(ic_path, ref, intent, held)
         else:
@@ -171,6 +183,16 @@ class Reconciler:
         # `is None`, not `or`: a requeue of 0.0 (a group to recreate at once) is a time, not "none".
         waits = [w for w in (decision.requeue_after, next_sample) if w is not None]
         return min([*waits, self.resync_seconds])
+
+    def last_accepted(self, status: InferenceClusterStatus) -> InferenceClusterSpec | None:
+        """The spec recorded as accepted, if this operator (its policy now included) still accepts it."""
+        if not status.applied_spec:
+            return None
+        try:
+            spec = InferenceClusterSpec.model_validate(status.applied_spec)
+        except ValidationError:
+            return None
+        return None if validate_spec(spec, self.policy) else spec
 
     def _forget(self, namespace: str, name: str) -> None:
         """Drop what this process keeps about a cluster that is gone."""
@@ -488,6 +510,15 @@ def not_ours(reason: str, what: str, kind: str) -> WriteRefused:
     return WriteRefused(
         reason, f"{what}: a {kind} of that name exists and is not this cluster's; rename or delete it"
     )
+
+
+# Room for the copy in status: an object (spec and status) must stay under etcd's 1.5 MiB.
+MAX_APPLIED_SPEC_BYTES = 256 * 1024
+
+
+def storable_spec(raw_spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The accepted spec as status keeps it; None when too large to keep beside the spec."""
+    return raw_spec if len(json.dumps(raw_spec)) <= MAX_APPLIED_SPEC_BYTES else None
 
 
 def budget_drifted(current: dict[str, Any], desired: dict[str, Any]) -> bool:

@@ -167,6 +167,35 @@ async def test_a_scale_past_the_pod_cap_holds_the_groups_it_allows_and_keeps_rep
     assert degraded(client)["status"] == "False"
 
 
+async def test_a_refused_edit_keeps_the_groups_running_and_repaired_as_the_last_accepted_spec() -> None:
+    """With the webhook off (or after an operator upgrade tightened a rule) an invalid spec is
+    stored: the groups it would change keep running, a lost rank is still replaced, and status
+    says which spec runs, not Ready on the strength of the last good pass."""
+    client = fake_with_cluster(replicas=2)
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    accepted = client.objects[IC_PATH]["status"]["updateRevision"]
+    assert client.objects[IC_PATH]["status"]["appliedSpec"] == client.objects[IC_PATH]["spec"]
+    client.objects[IC_PATH]["spec"]["parallelism"]["layerPartition"] = [30]  # two stages need two
+    client.objects[IC_PATH]["metadata"]["generation"] = 4
+    del client.objects[PODS + "demo-g0-s1-t1"]  # a rank is lost meanwhile
+    assert await reconciler.reconcile("ns", "demo") is not None  # still resynced, not dropped
+    assert "demo-g0-s1-t1" in pod_names(client) and len(pod_names(client)) == 8
+    status = client.objects[IC_PATH]["status"]
+    assert (
+        status["updateRevision"] == accepted
+        and status["appliedSpec"]["parallelism"].get("layerPartition") is None
+    )
+    assert degraded(client)["reason"] == "InvalidSpec"
+    assert "spec.parallelism.layerPartition" in degraded(client)["message"]
+    assert f"running revision {accepted}" in degraded(client)["message"]
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Stalled"]["status"] == "True" and conditions["Stalled"]["observedGeneration"] == 4
+    client.objects[IC_PATH]["spec"]["parallelism"]["layerPartition"] = None  # fixed
+    await reconciler.reconcile("ns", "demo")
+    assert degraded(client)["status"] == "False"
+
+
 async def test_a_deleted_cluster_stops_the_loop() -> None:
     reconciler = Reconciler(FakeClient())  # type: ignore[arg-type]
     assert await reconciler.reconcile("ns", "gone") is None
