@@ -169,19 +169,10 @@ def install_rbac(
         for t in ("serviceaccount.yaml", "rbac.yaml", *templates)
         for arg in ("--show-only", f"templates/{t}")
     ]
+    # The chart refuses a namespace list beside clusterWide (the list would look like a limit).
+    scope = () if "watch.clusterWide=true" in extra else ("--set", f"watch.namespaces={{{ns}}}")
     rendered = subprocess.run(
-        [
-            helm,
-            "template",
-            release,
-            str(CHART),
-            "-n",
-            ns,
-            "--set",
-            f"watch.namespaces={{{ns}}}",
-            *shown,
-            *extra,
-        ],
+        [helm, "template", release, str(CHART), "-n", ns, *scope, *shown, *extra],
         check=True,
         capture_output=True,
         text=True,

@@ -77,15 +77,16 @@ def test_one_pass_without_a_webhook_reports_what_it_cannot_act_on(crds: Any, k8s
     [event] = warning_events(cluster, ns, "overflow")
     assert event["reason"] == "InvalidSpec" and "spec.engine.kvCacheMemory" in event["message"]
 
-    # A toleration is passed through as is: the API server refuses every pod with a 422.
-    apply(cluster, ns, "refused", template={"tolerations": [{"key": "a", "operator": "Sometimes"}]})
+    # A field path the operator does not judge: the API server refuses every pod with a 422.
+    where = {"name": "WHERE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.nowhere"}}}
+    apply(cluster, ns, "refused", template={"env": [where]})
     one_pass(kubeconfig, ns, "refused")
     one_pass(kubeconfig, ns, "refused")
     degraded = condition(ic(cluster, ns, "refused"), "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "FailedCreate", degraded
-    assert "spec.tolerations[0].operator" in degraded["message"] and "422" in degraded["message"]
+    assert "fieldRef.fieldPath" in degraded["message"] and "422" in degraded["message"]
     [event] = warning_events(cluster, ns, "refused")  # one Event, not one per pass
-    assert event["reason"] == "FailedCreate" and "spec.tolerations[0].operator" in event["message"]
+    assert event["reason"] == "FailedCreate" and "fieldRef.fieldPath" in event["message"]
     # Posted again (after a restart, or a POST retried after its answer was lost): the same object,
     # counted, under the chart's RBAC.
     ref = ClusterRef("refused", ns, ic(cluster, ns, "refused")["metadata"]["uid"])
