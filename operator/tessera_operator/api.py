@@ -203,6 +203,8 @@ class TemplateSpec(Wire):
         default_factory=list,
         max_length=MAX_ENV,
         description="Extra environment (the topology variables cannot be overridden).",
+        # Keyed by name, as a pod's env: one entry per name, and server-side apply merges per entry.
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     volumes: list[dict[str, Any]] = free_form_list("Extra pod volumes.")
     volume_mounts: list[dict[str, Any]] = free_form_list("Extra container volume mounts.")
@@ -413,7 +415,9 @@ class InferenceClusterStatus(Wire):
     )
     groups: list[GroupStatus] = Field(default_factory=list, description="Per-group state.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Progressing, Degraded; Reconciling and Stalled for kstatus."
+        default_factory=list,
+        description="Ready, Progressing, Degraded; Reconciling and Stalled for kstatus.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     autoscaling: AutoscalingStatus | None = Field(
         default=None, description="The queue-depth autoscaler's last sample and decision."

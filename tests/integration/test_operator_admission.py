@@ -46,6 +46,11 @@ def manifest(**spec: Any) -> str:
         ({"engine": {"kvCacheMemory": "lots"}}, "spec.engine.kvCacheMemory"),
         ({"engine": {"samplingDefaults": {"topP": 0}}}, "spec.engine.samplingDefaults.topP"),
         ({"template": {"gpusPerRank": 2}}, "spec.template.gpusPerRank"),
+        # A list keyed by name, as a pod's env: one entry per name.
+        (
+            {"template": {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}},
+            "spec.template.env[1]",
+        ),
     ],
 )
 def test_schema_rejects_types_and_ranges(
