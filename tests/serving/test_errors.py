@@ -48,6 +48,14 @@ USER = [{"role": "user", "content": "x"}]
             "response_format",
         ),
         ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
+        ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"prompt": "hi", "return_token_ids": True}, "return_token_ids"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "spaces_between_special_tokens": False},
+            "spaces_between_special_tokens",
+        ),
+        ("/v1/completions", {"prompt": "hi", "truncation_side": "right"}, "truncation_side"),
         ("/v1/chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
         ("/v1/chat/completions", {"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
         # vLLM's structured-output and token-constraint extras: refused, not ignored.

@@ -330,6 +330,23 @@ def test_cache_salt_shares_cached_prompts_only_within_a_salt(
     assert "cache_salt" in str(refused.value)
 
 
+def test_completions_max_tokens_null_means_as_many_as_fit_as_in_vllm(client: openai.OpenAI) -> None:
+    """Left out: 16 (OpenAI's default); an explicit null (the SDK's max_tokens=None): the context's rest."""
+    kwargs = {"model": MODEL_NAME, "prompt": "Once upon a time", "extra_body": {"ignore_eos": True}}
+    left_out = client.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert left_out.usage is not None and left_out.usage.completion_tokens == 16
+    unbounded = client.completions.create(max_tokens=None, **kwargs)  # type: ignore[call-overload]
+    usage = unbounded.usage
+    assert usage is not None and usage.prompt_tokens + usage.completion_tokens == 128  # --max-model-len
+    assert unbounded.choices[0].finish_reason == "length"
+    plain = client.completions.create(
+        max_tokens=2,
+        extra_body={"add_special_tokens": False},
+        **{k: v for k, v in kwargs.items() if k != "extra_body"},
+    )  # type: ignore[call-overload]
+    assert plain.usage is not None and plain.usage.completion_tokens == 2  # vLLM's field, accepted
+
+
 def test_null_means_the_default(client: openai.OpenAI) -> None:
     """The SDK sends None as null; OpenAI and vLLM read it as the default."""
     completion = client.completions.create(

@@ -44,13 +44,16 @@ def _has_lone_surrogate(value: Any) -> bool:
 class RequestModel(OpenAIModel):
     """A model of request input: all its text must be valid Unicode (tokenizers and JSON need it).
 
-    An explicit null means the default, as in OpenAI's API (its SDKs send `None` as null)."""
+    An explicit null means the default, as in OpenAI's API (its SDKs send `None` as null), except
+    for the fields in `null_kept`, where vLLM gives null a meaning of its own."""
+
+    null_kept: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
+            return {key: value for key, value in data.items() if value is not None or key in cls.null_kept}
         return data
 
     @field_validator("*", mode="after")
@@ -124,6 +127,9 @@ UNSUPPORTED_VLLM_EXTRAS: dict[str, Any] = {
     "length_penalty": 1.0,
     "priority": 0,
     "return_tokens_as_token_ids": False,
+    "return_token_ids": False,
+    "spaces_between_special_tokens": True,
+    "truncation_side": None,
 }
 UNSUPPORTED_CHAT_EXTRAS: dict[str, Any] = {
     "echo": False,
@@ -165,6 +171,10 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = Field(None, min_length=1)
     # vLLM's: only requests with the same salt share prefix-cache blocks (a tenant's secret).
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's (completions): whether the tokenizer adds its special tokens (BOS) to a text prompt.
+    add_special_tokens: bool = True
+    # Structured output (both endpoints in vLLM): refused below unless plain text.
+    response_format: dict[str, Any] | None = None
     # UNSUPPORTED_VLLM_EXTRAS, declared so that asking for them is refused, never ignored.
     guided_json: Any = None
     guided_regex: Any = None
@@ -178,6 +188,9 @@ class SamplingFields(RequestModel):
     length_penalty: Any = None
     priority: Any = None
     return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    truncation_side: Any = None
     unsupported_extras: ClassVar[dict[str, Any]] = UNSUPPORTED_VLLM_EXTRAS
 
     def _token_biases(self) -> dict[int, float] | None:
@@ -203,6 +216,11 @@ class SamplingFields(RequestModel):
                     else ""
                 )
                 raise InvalidParameterError(name, f"{name} is not supported{hint}")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            kind = self.response_format.get("type")
+            raise InvalidParameterError(
+                "response_format", f"response_format {kind!r} is not supported (text is)"
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
         def unless_set(name: str, engine_default: float) -> Any:
@@ -239,6 +257,8 @@ class SamplingFields(RequestModel):
 
 
 class CompletionRequest(SamplingFields):
+    # Left out: 16 (OpenAI's and vLLM's default); null: as many as the context leaves (vLLM's).
+    null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(16, ge=0, le=INT32)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
@@ -271,7 +291,9 @@ class CompletionRequest(SamplingFields):
             raise InvalidParameterError("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
         # With echo, logprobs cover the prompt too; max_tokens 0 generates one token, never shown.
         params = self._sampling_params(
-            max(self.max_tokens or 0, 1) if self.echo else self.max_tokens, self.logprobs, defaults
+            max(self.max_tokens, 1) if self.echo and self.max_tokens is not None else self.max_tokens,
+            self.logprobs,
+            defaults,
         )
         if self.echo and self.logprobs is not None:
             params.prompt_logprobs = self.logprobs
@@ -363,7 +385,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -376,11 +397,6 @@ class ChatCompletionRequest(SamplingFields):
         for name in ("functions", "function_call", "audio", "prediction"):
             if getattr(self, name):
                 raise InvalidParameterError(name, f"{name} is not supported")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            kind = self.response_format.get("type")
-            raise InvalidParameterError(
-                "response_format", f"response_format {kind!r} is not supported (text is)"
-            )
         if self.modalities is not None and set(self.modalities) != {"text"}:
             raise InvalidParameterError("modalities", "only the text modality is supported")
         if self.top_logprobs is not None and not self.logprobs:

@@ -101,7 +101,10 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     keep_last = body.truncate_prompt_tokens
     token_lists = [
         await ctx.engine.tokenize_async(
-            p, param="prompt" if len(prompts) == 1 else f"prompt[{i}]", keep_last=keep_last
+            p,
+            add_special_tokens=body.add_special_tokens,
+            param="prompt" if len(prompts) == 1 else f"prompt[{i}]",
+            keep_last=keep_last,
         )
         for i, p in enumerate(prompts)
     ]
