@@ -126,7 +126,7 @@ def test_smollm2_answers_through_chat_template(smollm2_dir: Path):
 def test_abort_mid_flight_frees_every_block(tiny_llama_dir: Path):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, max_model_len=128)
     params = SamplingParams(max_tokens=50, ignore_eos=True)
-    llm._add_requests([(*llm._tokenize(f"request number {i} " * (i + 1)), params) for i in range(6)])
+    llm._add_requests([llm._input(f"request number {i} " * (i + 1), params) for i in range(6)])
     for _ in range(3):
         llm.engine.step()
     assert llm.engine.scheduler.kv.usage > 0
