@@ -15,6 +15,7 @@ from tessera_operator.fielderror import FieldError
 from tessera_operator.quantity import parse_quantity
 
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 MAX_ANNOTATIONS_BYTES = 256 * 1024  # the API server's limit on all annotations of one object
 RESOURCE_KINDS = ("requests", "limits")
@@ -89,7 +90,6 @@ def check_resources(field: str, resources: Mapping[str, Any] | None) -> list[Fie
     return errors
 
 
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 ENV_SOURCES = frozenset({"fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef", "fileKeyRef"})
 TOLERATION_OPERATORS = ("", "Exists", "Equal")
 TAINT_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")

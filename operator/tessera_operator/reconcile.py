@@ -100,9 +100,10 @@ class Reconciler:
         # (too many replicas alone), or as the last accepted spec said.
         capped = capped_spec(raw_spec, errors, self.policy)
         fallback = capped or (self.last_accepted(previous) if errors else None)
+        problems = "; ".join(str(e) for e in errors)
         if errors and fallback is None:
             await self.report(ic_path, ref, previous, degraded_status(
-                previous, generation, "InvalidSpec", "; ".join(str(e) for e in errors), now
+                previous, generation, "InvalidSpec", problems, now
             ))  # fmt: skip
             return None
 
@@ -165,7 +166,7 @@ class Reconciler:
                 if capped is not None
                 else f"running revision {revision}, the last accepted spec, until it is fixed"
             )
-            message = f"{'; '.join(str(e) for e in errors)}; {held_as}"
+            message = f"{problems}; {held_as}"
             held = degraded_status(status, generation, "InvalidSpec", message, now, previous)
             await self.report(ic_path, ref, intent, held)
         else:

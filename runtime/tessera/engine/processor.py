@@ -36,11 +36,6 @@ def max_prompt_tokens(config: EngineConfig, max_model_len: int) -> int:
     return longest
 
 
-def check_cache_salt(cache_salt: object) -> None:
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise InvalidParameterError("cache_salt", "cache_salt must be a non-empty string if provided")
-
-
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -183,7 +178,8 @@ class InputProcessor:
         cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """One engine request per sample: n>1 fans out to children with derived seeds."""
-        check_cache_salt(cache_salt)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", "cache_salt must be a non-empty string if provided")
         self.check_params(params)
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)

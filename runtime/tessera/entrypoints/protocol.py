@@ -171,8 +171,6 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0, le=INT32)]] | None = Field(None, min_length=1)
     # vLLM's: only requests with the same salt share prefix-cache blocks (a tenant's secret).
     cache_salt: str | None = Field(None, min_length=1)
-    # vLLM's (completions): whether the tokenizer adds its special tokens (BOS) to a text prompt.
-    add_special_tokens: bool = True
     # Structured output (both endpoints in vLLM): refused below unless plain text.
     response_format: dict[str, Any] | None = None
     # UNSUPPORTED_VLLM_EXTRAS, declared so that asking for them is refused, never ignored.
@@ -260,6 +258,8 @@ class CompletionRequest(SamplingFields):
     # Left out: 16 (OpenAI's and vLLM's default); null: as many as the context leaves (vLLM's).
     null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     prompt: str | list[str] | TokenIds | list[TokenIds]
+    # vLLM's: whether the tokenizer adds its special tokens (BOS) to a text prompt.
+    add_special_tokens: bool = True
     max_tokens: int | None = Field(16, ge=0, le=INT32)  # 0: with echo, score the prompt only
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     echo: bool = False
@@ -374,6 +374,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and by --max-logprobs
     add_generation_prompt: bool = True
+    # vLLM's: off, since the chat template already holds the special tokens (BOS) it wants.
+    add_special_tokens: bool = False
     tools: list[dict[str, Any]] | None = None
     # Declared so that asking for them is refused (below), never silently ignored.
     echo: Any = None

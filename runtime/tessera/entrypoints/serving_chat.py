@@ -80,9 +80,11 @@ async def create_chat_completion(
         logprobs_param="top_logprobs",
     )
     prompt = await render_chat_prompt(ctx, body.chat_messages(), body.add_generation_prompt)
-    # The template already holds the special tokens (BOS) it wants.
     token_ids = await ctx.engine.tokenize_async(
-        prompt, add_special_tokens=False, param="messages", keep_last=body.truncate_prompt_tokens
+        prompt,
+        add_special_tokens=body.add_special_tokens,
+        param="messages",
+        keep_last=body.truncate_prompt_tokens,
     )
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     ctx.check_context(len(token_ids), body.max_completion_tokens or body.max_tokens, asked)
