@@ -93,6 +93,8 @@ def test_chat_completion_and_stream(client: openai.OpenAI) -> None:
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
+    # As OpenAI's: later deltas carry no role key at all (not "role": null).
+    assert all("role" not in c.choices[0].delta.model_fields_set for c in chunks[1:] if c.choices)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10

@@ -480,7 +480,8 @@ class ChatCompletionResponse(OpenAIModel):
 
 
 class DeltaMessage(OpenAIModel):
-    role: Literal["assistant"] | None = None
+    # Only a choice's first delta names the role; OpenAI's later deltas have no role key at all.
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda role: role is None)
     content: str | None = None
 
 
