@@ -286,7 +286,8 @@ def test_queue_depth_adds_a_group_under_load_and_removes_it_after(
             while cluster()["status"].get("readyReplicas") != 2:
                 assert time.monotonic() < deadline, f"no second Ready group under load: {cluster()['status']}"
                 time.sleep(1)
-        status = cluster()["status"]["autoscaling"]
+            # Read under load: once the clients stop, a slow machine can already be scaling down.
+            status = cluster()["status"]["autoscaling"]
         assert status["desiredReplicas"] == 2 and status["lastScaleTime"], status
         assert [f for loop in loops for f in loop.failures()] == []
 
