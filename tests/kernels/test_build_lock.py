@@ -50,3 +50,35 @@ def test_kernels_load_despite_a_stale_baton_in_the_real_build_folder() -> None:
     # of its own for a moment, legitimately.
     with kernels.build_lock(build_dir):
         assert not (build_dir / kernels.TORCH_BATON).exists()
+
+
+@pytest.mark.skipif(not kernels.ENABLED, reason="CPU kernels disabled")
+def test_a_build_from_another_venv_is_loaded_not_recompiled() -> None:
+    subprocess.run([sys.executable, "-c", LOAD_KERNELS], check=True, timeout=900)
+    build_dir = kernels._cache_root() / kernels.build_key()
+    built = next(build_dir.glob("*.so"))
+    with kernels.build_lock(build_dir):
+        # What another checkout's venv leaves: the same key, built by a command that named
+        # torch's headers at another path (ninja's log keeps each output's command hash).
+        log = build_dir / ".ninja_log"
+        header, *entries = log.read_text().splitlines()
+        other = ["\t".join([*entry.split("\t")[:4], "0" * 16]) for entry in entries]
+        log.write_text("\n".join([header, *other]) + "\n")
+        stamp = built.stat().st_mtime_ns
+    subprocess.run([sys.executable, "-c", LOAD_KERNELS], check=True, timeout=120)
+    assert built.stat().st_mtime_ns == stamp
+
+
+def test_a_build_that_does_not_load_is_compiled_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_load_prebuilt", lambda key: None)
+    build_dir = kernels._cache_root() / kernels.build_key()
+    build_dir.mkdir(parents=True)
+    (build_dir / f"tessera_cpu_kernels_{kernels.build_key()}.so").write_bytes(b"cut short by a killed link")
+    rebuilt = object()
+    monkeypatch.setattr(cpp_extension, "load", lambda **options: rebuilt)
+    assert kernels.cpu_kernels.__wrapped__() is rebuilt

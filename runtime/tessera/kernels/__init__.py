@@ -78,10 +78,17 @@ def _load_prebuilt(key: str) -> ModuleType | None:
     """The extension module an image compiled for this exact key, if there is one."""
     from tessera.models.registry import prebuilt_cache_root
 
-    name = f"tessera_cpu_kernels_{key}"
-    path = prebuilt_cache_root() / "kernels" / key / f"{name}.so"
-    if not path.is_file():
-        return None
+    path = prebuilt_cache_root() / "kernels" / key / f"{_module_name(key)}.so"
+    return _load_extension(path) if path.is_file() else None
+
+
+def _module_name(key: str) -> str:
+    return f"tessera_cpu_kernels_{key}"
+
+
+def _load_extension(path: Path) -> ModuleType:
+    """Import a compiled extension module from ``path`` (its file name is the module's name)."""
+    name = path.name.removesuffix(".so")
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     assert spec is not None
@@ -154,13 +161,21 @@ def cpu_kernels() -> ModuleType | None:
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with build_lock(build_dir):
+            built = build_dir / f"{_module_name(key)}.so"
+            if built.is_file():
+                # The key pins sources, flags, torch and CPU; only torch's include path in ninja's
+                # command differs between venvs, and rebuilding for it cost a minute per checkout.
+                try:
+                    return _load_extension(built)
+                except ImportError as error:  # a link killed half-way: build it again
+                    logger.warning("rebuilding Tessera's CPU kernels, %s did not load: %s", built, error)
             source = _stage_sources(build_dir)
-            if not any(build_dir.glob("*.so")):
+            if not built.is_file():
                 logger.warning(
                     "compiling Tessera's CPU kernels into %s (once per machine, about a minute)", build_dir
                 )
             return cpp_extension.load(
-                name=f"tessera_cpu_kernels_{key}",
+                name=_module_name(key),
                 sources=[str(source)],
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
