@@ -1,5 +1,6 @@
 """Sequence parallelism with pipeline parallelism: each TP rank sends only its shard of the tokens
-across the stage boundary, exactly 1/tp of the bytes it sends without SP (counted by the runtime)."""
+across the stage boundary, exactly 1/tp of the bytes it sends without SP (counted by the runtime),
+and both give TP 1 / PP 1's tokens."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ TP, PP = 2, 2
 # tokens (prefills of 16, decodes of 2), so a shard is exactly half of the batch.
 PROMPTS = [{"prompt_token_ids": [10 + i, 20, 30, 40, 50, 60, 70, 80]} for i in range(4)]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def single_rank_tokens(model: Path) -> list[list[int]]:
+    with LLM(str(model), num_kv_blocks=32, max_model_len=128) as llm:
+        return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
 
 
 def run(model: Path, sequence_parallel: bool) -> tuple[list[list[int]], list[dict[str, Any]]]:
@@ -39,6 +45,7 @@ def run(model: Path, sequence_parallel: bool) -> tuple[list[list[int]], list[dic
 def test_each_tp_rank_sends_one_tp_th_of_the_activations(tiny_llama_dir: Path) -> None:
     tokens_off, stats_off = run(tiny_llama_dir, sequence_parallel=False)
     tokens_sp, stats_sp = run(tiny_llama_dir, sequence_parallel=True)
+    assert tokens_off == single_rank_tokens(tiny_llama_dir)
     assert tokens_sp == tokens_off
     first_stage = range(TP)  # the ranks that send across the boundary
     for rank in first_stage:
