@@ -17,6 +17,8 @@ def selection_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     contention test runs its own process)."""
     path = tmp_path / gemm_selection.SELECTION_FILE
     monkeypatch.setattr(gemm_selection, "selection_path", lambda: path)
+    prebuilt = tmp_path / "prebuilt" / gemm_selection.SELECTION_FILE
+    monkeypatch.setattr(gemm_selection, "prebuilt_selection_path", lambda: prebuilt)
     monkeypatch.setattr(gemm_selection, "_unrecorded_verdicts", {})
     monkeypatch.setattr(gemm_selection, "CONTENTION_LIMIT_CPUS", math.inf)
     monkeypatch.delenv(gemm_selection.FORCE_VARIABLE, raising=False)

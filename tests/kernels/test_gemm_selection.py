@@ -254,6 +254,24 @@ def test_a_recorded_verdict_is_honoured_and_others_kept(selection_file: Path) ->
     assert gemm_selection.selection_key(torch.randn(32, 48), gemm_selection.LAYER_ROWS) in recorded
 
 
+def test_a_prebuilt_verdict_serves_unmeasured_where_this_cache_has_none(
+    selection_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    baked, own = torch.randn(64, 48), torch.randn(32, 48)
+    baked_key, own_key = (gemm_selection.selection_key(w, gemm_selection.LAYER_ROWS) for w in (baked, own))
+    prebuilt = gemm_selection.prebuilt_selection_path()
+    prebuilt.parent.mkdir(parents=True)
+    prebuilt.write_text(json.dumps({key: {"backend": "aten", "scores": {}} for key in (baked_key, own_key)}))
+    selection_file.write_text(json.dumps({own_key: {"backend": "onednn", "scores": {}}}))
+
+    def no_measuring(*args: object) -> None:
+        raise AssertionError("a verdict the caches hold was measured")
+
+    monkeypatch.setattr(gemm_selection, "measure", no_measuring)
+    assert gemm_selection.selected_backend(baked) == "aten"
+    assert gemm_selection.selected_backend(own) == "onednn"  # this cache's own verdict wins
+
+
 def test_shards_are_selected_at_their_own_shapes(selection_file: Path) -> None:
     column = ColumnParallelLinear(80, 96, tp_rank=0, tp_size=2)
     row = RowParallelLinear(80, 96, tp_rank=0, tp_size=2)

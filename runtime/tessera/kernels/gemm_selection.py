@@ -3,7 +3,9 @@
 A choice is per ``(out, in, dtype, threads, row profile, candidates)``: tensor-parallel shards are
 measured at their own shapes. It is recorded in ``gemm_selection.v2.json`` beside the native
 kernel build (same folder, same key: torch version, CPU flags, kernel sources), so a machine
-measures a shape once and every later load, on any rank, reuses the verdict.
+measures a shape once and every later load, on any rank, reuses the verdict. Verdicts under the
+same key in the read-only prebuilt cache (an image's, or the host's that `make demo` mounts into
+rank pods) serve where this cache has none, so pods starting together need not measure at all.
 ``TESSERA_GEMM_BACKEND=aten|mkl|onednn|mkl_fp32|panels`` forces one backend where it is supported.
 
 Scoring: each candidate is timed at every row count of the profile (decode-sized and
@@ -132,8 +134,15 @@ def _read(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def prebuilt_selection_path() -> Path:
+    from tessera.models.registry import prebuilt_cache_root
+
+    return prebuilt_cache_root() / "kernels" / build_key() / SELECTION_FILE
+
+
 def recorded_selections() -> dict[str, Any]:
-    return _read(selection_path())
+    """This cache's verdicts, over the prebuilt cache's for the same build key."""
+    return {**_read(prebuilt_selection_path()), **_read(selection_path())}
 
 
 def _record(key: str, selection: Selection) -> None:
