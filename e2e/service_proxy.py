@@ -53,6 +53,10 @@ class ServiceProxy:
         self._targets: list[tuple[str, int]] = []
         self._read_at = 0.0
         self._turn = itertools.count()
+        # asyncio keeps only weak references to tasks, and a client's connection drops its own
+        # once the client closes: a connection still waiting on its pod was then collected
+        # mid-flight ("Task was destroyed but it is pending"), its pod connection never closed.
+        self._connections: set[asyncio.Task[Any]] = set()
 
     async def _current_targets(self, refresh: bool = False) -> list[tuple[str, int]]:
         if refresh or time.monotonic() - self._read_at > ENDPOINTS_TTL_SECONDS:
@@ -63,6 +67,10 @@ class ServiceProxy:
         return self._targets
 
     async def handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
         try:
             upstream_reader, upstream_writer = await self._connect()
         except Exception:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import socket
 import struct
 from typing import Any
@@ -91,8 +93,6 @@ def test_the_proxy_picks_ready_addresses_of_the_named_port() -> None:
 
 def test_the_proxy_skips_an_endpoint_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     # A deleted pod's address swallows the SYN: the proxy must move on, not wait for TCP's retries.
-    import asyncio
-
     from e2e import service_proxy
 
     async def run() -> str:
@@ -116,3 +116,47 @@ def test_the_proxy_skips_an_endpoint_that_never_answers(monkeypatch: pytest.Monk
         return f"{peer[0]}:{peer[1] == live_port}"
 
     assert asyncio.run(run()) == "127.0.0.1:True"
+
+
+def test_the_proxy_closes_the_pod_connection_of_a_client_that_left_before_the_answer(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A queued request: the client gives up before its pod has sent a byte. The proxy must still
+    # finish the connection (and close the pod's side), not lose it to the garbage collector.
+    from e2e import service_proxy
+
+    async def run() -> bool:
+        answered, pod_side_closed = asyncio.Event(), asyncio.Event()
+
+        async def pod(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(100)
+            await answered.wait()
+            writer.write(b"late answer")
+            await writer.drain()
+            if await reader.read() == b"":
+                pod_side_closed.set()
+
+        pod_server = await asyncio.start_server(pod, "127.0.0.1", 0)
+        proxy = service_proxy.ServiceProxy(None, "ns", "web", 80)  # type: ignore[arg-type]
+        proxy._targets, proxy._read_at = [("127.0.0.1", pod_server.sockets[0].getsockname()[1])], float("inf")
+        front = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+        _reader, client = await asyncio.open_connection("127.0.0.1", front.sockets[0].getsockname()[1])
+        client.write(b"POST /v1/completions HTTP/1.1\r\n\r\n")
+        await client.drain()
+        await asyncio.sleep(0.3)
+        client.close()
+        await asyncio.sleep(0.3)
+        gc.collect()
+        answered.set()
+        try:
+            await asyncio.wait_for(pod_side_closed.wait(), 5)
+        except TimeoutError:
+            return False
+        finally:
+            front.close()
+            pod_server.close()
+        return True
+
+    assert asyncio.run(run())
+    gc.collect()
+    assert not [r.getMessage() for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
