@@ -55,6 +55,7 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+@functools.cache  # read for every weight's GEMM verdict; /proc/cpuinfo of a big node is large
 def build_key() -> str:
     digest = hashlib.sha256()
     # Every file in csrc/: the header changes the build as much as the .cpp does.
