@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from tessera import LLM, SamplingParams
+from tests.distributed import equivalence
+from tests.distributed.equivalence import Workload
 
 TP, PP = 2, 2
 # Four requests of eight tokens: with two batches in flight every step carries an even number of
@@ -19,8 +21,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def single_rank_tokens(model: Path) -> list[list[int]]:
-    with LLM(str(model), num_kv_blocks=32, max_model_len=128) as llm:
-        return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
+    reference = equivalence.run(
+        str(model), Workload(PROMPTS, PARAMS, {"num_kv_blocks": 32, "max_model_len": 128})
+    )
+    return [output.token_ids for output in reference.outputs]
 
 
 def run(model: Path, sequence_parallel: bool) -> tuple[list[list[int]], list[dict[str, Any]]]:
