@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from typing import Any
@@ -32,6 +31,7 @@ from tessera.engine.arg_utils import engine_config_from_args
 from tessera.engine.async_llm import AsyncLLM
 from tessera.engine.core_client import EngineDeadError
 from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
+from tessera.entrypoints.api_key import ApiKeyGuard
 from tessera.entrypoints.body_guard import BodyGuard
 from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import (
@@ -153,18 +153,7 @@ def build_app(
         BodyGuard, max_body_size=limits.max_request_body_size, max_json_depth=limits.max_json_depth
     )
     if api_key:
-
-        @app.middleware("http")
-        async def check_api_key(
-            request: Request, call_next: Callable[[Request], Awaitable[Response]]
-        ) -> Response:
-            if request.url.path.startswith(PROTECTED_PATHS):
-                scheme, _, token = request.headers.get("authorization", "").partition(" ")
-                # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
-                valid = hmac.compare_digest(token.strip().encode(), api_key.encode())
-                if scheme.lower() != "bearer" or not valid:
-                    return error_response("invalid or missing API key", HTTPStatus.UNAUTHORIZED)
-            return await call_next(request)
+        app.add_middleware(ApiKeyGuard, api_key=api_key, protected_paths=PROTECTED_PATHS)
 
     # Added last, so it runs first: a browser's preflight (which carries no key) is answered here.
     if allowed_origins:
@@ -317,7 +306,7 @@ def run_server(args: argparse.Namespace) -> int:
         "required" if api_key else "not required",
     )
     try:
-        asyncio.run(server.serve())
+        server.run()  # on uvloop with httptools' parser (uvicorn's "auto"), as vLLM's server runs
     finally:
         engine.shutdown()
     if engine.dead_error is not None:
