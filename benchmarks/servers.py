@@ -1,4 +1,5 @@
-"""Start an OpenAI-compatible server as a subprocess, wait until it is healthy, stop it after."""
+"""Start an OpenAI-compatible server as a subprocess, wait until it is healthy, stop it after; what
+CPU its processes and the load generator use meanwhile."""
 
 from __future__ import annotations
 
@@ -53,3 +54,47 @@ def stop_group(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)  # stragglers of a leader that exited are killed too
     process.wait()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process, all its threads (``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children of any of its threads, recursively)."""
+    found: list[int] = []
+    with contextlib.suppress(FileNotFoundError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as children:
+                for child in map(int, children.read().split()):
+                    found += [child, *descendants(child)]
+    return found
+
+
+@contextmanager
+def cpu_used(server_pid: int) -> Iterator[dict[str, float]]:
+    """CPU seconds spent during the block, filled in when it ends: by the server's own process
+    (``frontend``: the HTTP server), by the processes below it (``engine``) and by this one
+    (``client``: the load generator). On a machine with few cores the three share them, so what
+    the frontend and the client use is taken from the engine."""
+    engine = descendants(server_pid)
+
+    def engine_cpu() -> dict[int, float]:
+        seconds = {}
+        for pid in engine:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+                seconds[pid] = process_cpu_seconds(pid)
+        return seconds
+
+    used: dict[str, float] = {}
+    frontend, engine_before, client = process_cpu_seconds(server_pid), engine_cpu(), time.process_time()
+    yield used
+    engine_after = engine_cpu()
+    used["frontend"] = round(process_cpu_seconds(server_pid) - frontend, 2)
+    used["engine"] = round(
+        sum(engine_after[pid] - engine_before[pid] for pid in engine_after.keys() & engine_before.keys()), 2
+    )
+    used["client"] = round(time.process_time() - client, 2)

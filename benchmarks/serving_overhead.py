@@ -30,7 +30,7 @@ from typing import Any
 
 from common import environment_info, exit_on_sigterm, new_figure, save_figure, set_threads, write_json
 from offline_throughput import MODEL, Request, build_workload
-from servers import running_server
+from servers import cpu_used, running_server
 
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import run_benchmark
@@ -72,10 +72,12 @@ def run_served(requests: list[Request], threads: int) -> dict[str, Any]:
     args = [sys.executable, "-m", "tessera.cli", "serve", MODEL, "--host", "127.0.0.1", "--port", str(port)]
     args += ["--dtype", "float32", "--num-threads", str(threads), "--served-model-name", "model"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    with running_server(args, env, base_url):
+    with running_server(args, env, base_url) as server_pid:
         bench = [BenchRequest(r.prompt_token_ids, len(r.prompt_token_ids), r.output_len) for r in requests]
         asyncio.run(run_benchmark(base_url, "model", [BenchRequest(bench[0].prompt[:16], 16, 4)]))  # warm-up
-        summary, _ = asyncio.run(run_benchmark(base_url, "model", bench))
+        with cpu_used(server_pid) as cpu_s:
+            summary, _ = asyncio.run(run_benchmark(base_url, "model", bench))
+    summary["cpu_s"] = cpu_s
     if summary["failed_requests"]:
         raise RuntimeError(f"served run had failures: {summary.get('errors')}")
     expected = sum(r.output_len for r in requests)
@@ -139,7 +141,7 @@ def main() -> None:
     offline = [run_offline(requests, threads)]
     print(f"offline: {offline[0]['output_throughput']:.1f} output tok/s", flush=True)
     served = run_served(requests, threads)
-    print(f"served:  {served['output_throughput']:.1f} output tok/s", flush=True)
+    print(f"served:  {served['output_throughput']:.1f} output tok/s (CPU s: {served['cpu_s']})", flush=True)
     offline.append(run_offline(requests, threads))
     print(f"offline: {offline[1]['output_throughput']:.1f} output tok/s", flush=True)
     baseline = max(o["output_throughput"] for o in offline)

