@@ -23,7 +23,7 @@ class ApiKeyGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         guarded = scope["type"] == "http" and scope["path"].startswith(self.protected_paths)
-        if guarded and not self.authorized(dict(scope["headers"]).get(b"authorization", b"")):
+        if guarded and not self.authorized(first_header(scope, b"authorization")):
             await error_response("invalid or missing API key", HTTPStatus.UNAUTHORIZED)(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -33,3 +33,9 @@ class ApiKeyGuard:
         scheme, _, token = header.partition(b" ")
         valid = hmac.compare_digest(token.strip(), self.api_key)
         return scheme.lower() == b"bearer" and valid
+
+
+def first_header(scope: Scope, name: bytes) -> bytes:
+    """The first value of header ``name`` (lower case, as ASGI gives names), as Starlette's
+    ``Headers.get`` reads it; empty if absent."""
+    return next((value for key, value in scope["headers"] if key == name), b"")
