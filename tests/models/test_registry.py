@@ -85,12 +85,12 @@ def _packaged_gguf() -> Path:
 def test_gguf_path_converts_once_then_reuses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path
 ) -> None:
-    from tessera.models.loader import load_config
+    from tessera.models.hf_config import load_hf_config
 
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
     folder = resolve_model(str(_packaged_gguf()))
     assert folder.parent == tmp_path / "models"
-    config = load_config(folder)
+    config = load_hf_config(folder)
     assert config.num_hidden_layers == 30 and not hasattr(config, "quantization_config")
     assert (folder / "chat_template.jinja").is_file() or "chat_template" in (
         folder / "tokenizer_config.json"

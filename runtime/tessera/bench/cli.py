@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from tessera.bench.datasets import BenchRequest, fixed_requests, random_requests
-from tessera.bench.report import print_summary, write_results
-from tessera.bench.serve import run_benchmark
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +63,11 @@ def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    # Here, not at the top: every `tessera` command registers this one's flags, and a rank
+    # process (`tessera worker`) has no use for aiohttp's and the report's 0.4 s of imports.
+    from tessera.bench.report import print_summary, write_results
+    from tessera.bench.serve import run_benchmark
+
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     requests = build_requests(args)
     summary, results = asyncio.run(

@@ -7,11 +7,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tessera.config import EngineConfig
 from tessera.engine.generation_config import SamplingDefaults, eos_token_ids, load_sampling_defaults
 from tessera.engine.messages import EngineCoreRequest
+from tessera.models.hf_config import load_hf_config
 from tessera.sampling_params import InvalidParameterError, SamplingParams
 
 
@@ -25,7 +26,7 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 def model_vocab_size(model_dir: Path) -> int:
     """Rows of the embedding and columns of the logits: every token id must be below it."""
-    return int(AutoConfig.from_pretrained(str(model_dir)).get_text_config().vocab_size)
+    return int(load_hf_config(model_dir).vocab_size)
 
 
 def max_prompt_tokens(config: EngineConfig, max_model_len: int) -> int:

@@ -151,8 +151,6 @@ def _stage_sources(build_dir: Path) -> Path:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled kernels, or None when they cannot be built here."""
-    from torch.utils import cpp_extension
-
     key = build_key()
     prebuilt = _load_prebuilt(key)
     if prebuilt is not None:
@@ -175,6 +173,9 @@ def cpu_kernels() -> ModuleType | None:
                 logger.warning(
                     "compiling Tessera's CPU kernels into %s (once per machine, about a minute)", build_dir
                 )
+            # Only a build needs torch's builder: importing it (and setuptools) costs 0.2 s of CPU.
+            from torch.utils import cpp_extension
+
             return cpp_extension.load(
                 name=_module_name(key),
                 sources=[str(source)],

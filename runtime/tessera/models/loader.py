@@ -1,7 +1,7 @@
 """Build a model from a Hugging Face folder and stream its safetensors weights into it.
 
-transformers supplies only the config; the forward pass is Tessera's. Tensors are read
-lazily (memory-mapped): each parameter's ``weight_loader`` reads only this rank's slice of
+Neither the config (``hf_config``) nor the forward pass comes from transformers. Tensors are
+read lazily (memory-mapped): each parameter's ``weight_loader`` reads only this rank's slice of
 its checkpoint tensor, and layers of other pipeline stages are never read at all.
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tessera.models.checkpoint import iterate_lazily
+from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
 from tessera.models.layers.linear import process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
 
@@ -32,17 +33,11 @@ class UnsupportedModelError(ValueError):
     pass
 
 
-def load_config(folder: Path):  # -> transformers.PretrainedConfig
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(folder)
-
-
 # A config.json without "architectures" still names its family.
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES = {family: architecture for architecture, family in ARCHITECTURE_FAMILIES.items()}
 
 
-def model_class_for(config) -> type[LlamaForCausalLM]:
+def model_class_for(config: HFConfig) -> type[LlamaForCausalLM]:
     architectures = list(getattr(config, "architectures", None) or [])
     if not architectures and getattr(config, "model_type", None) in MODEL_TYPES:
         architectures = [MODEL_TYPES[config.model_type]]
@@ -81,7 +76,7 @@ def load_model(
     started = time.monotonic()
     folder = Path(folder)
     device = torch.device(device)
-    config = load_config(folder)
+    config = load_hf_config(folder)
     model_class = model_class_for(config)
     quantization = getattr(config, "quantization_config", None)
     if quantization:

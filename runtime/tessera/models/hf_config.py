@@ -1,0 +1,126 @@
+"""A checkpoint's ``config.json`` as the model reads it, without importing transformers.
+
+Importing transformers costs about 3.5 s of CPU, and every rank process paid it only to read
+this file: a group of 6 ranks sharing 2 cores started some 10 s later for it. The Llama family
+(Llama, Mistral, Qwen2) reads a few fields; they are read here with the class defaults and the
+derived fields of transformers' own ``LlamaConfig``, ``MistralConfig`` and ``Qwen2Config``.
+``tests/models/test_hf_config.py`` checks every field the model reads against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+
+_SHARED = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_parameters": None,
+}
+# model_type -> what transformers' config class assumes for a field config.json leaves out.
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_SHARED,
+        "vocab_size": 32000,
+        "intermediate_size": 11008,
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "max_position_embeddings": 2048,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "mistral": {
+        **_SHARED,
+        "vocab_size": 32000,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        **_SHARED,
+        "vocab_size": 151936,
+        "intermediate_size": 22016,
+        "num_key_value_heads": 32,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "layer_types": None,
+    },
+}
+# A config.json without "model_type" still names its family by its architectures.
+ARCHITECTURE_FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def _derive(values: dict[str, Any]) -> None:
+    """What transformers' classes compute after loading (their ``__post_init__``)."""
+    heads = values.get("num_attention_heads")
+    if heads is None:
+        return  # not a family this reads; the loader names what it is
+    if "num_key_value_heads" in values and values["num_key_value_heads"] is None:
+        values["num_key_value_heads"] = heads
+    if "head_dim" in values and values["head_dim"] is None:
+        values["head_dim"] = values["hidden_size"] // heads
+    if values.get("model_type") == "qwen2":
+        # Qwen2 slides only when asked, on the layers from max_window_layers on.
+        window = values["sliding_window"] if values["use_sliding_window"] else None
+        values["sliding_window"] = window
+        if values["layer_types"] is None:
+            values["layer_types"] = [
+                "sliding_attention"
+                if window is not None and layer >= values["max_window_layers"]
+                else "full_attention"
+                for layer in range(values["num_hidden_layers"])
+            ]
+
+
+class HFConfig:
+    """config.json's fields as attributes (as transformers keeps unknown keys), over the family's
+    defaults, with the fields transformers derives after loading."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        model_type = fields.get("model_type")
+        if model_type not in FAMILY_DEFAULTS:
+            architectures = fields.get("architectures") or []
+            model_type = next(
+                (ARCHITECTURE_FAMILIES[a] for a in architectures if a in ARCHITECTURE_FAMILIES), None
+            )
+        values = {**FAMILY_DEFAULTS.get(model_type or "", {}), **fields}
+        if model_type is not None:
+            values["model_type"] = model_type
+        _derive(values)
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for fields config.json and the defaults lack (and for type checkers: any field).
+        raise AttributeError(f"config.json has no {name!r}")
+
+    def __repr__(self) -> str:
+        return f"HFConfig({self.__dict__!r})"
+
+
+def load_hf_config(folder: Path) -> HFConfig:
+    """The model's configuration from ``folder/config.json``."""
+    path = Path(folder) / CONFIG_FILE
+    try:
+        fields = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: not a Hugging Face model folder") from None
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} holds {type(fields).__name__}, not a JSON object")
+    return HFConfig(fields)

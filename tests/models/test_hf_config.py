@@ -1,0 +1,177 @@
+"""Tessera's config.json reader against transformers' config classes: every field the model reads,
+and what it derives from them (RoPE frequencies, context length, sliding windows per layer)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tessera.models.hf_config import HFConfig, load_hf_config
+from tessera.models.layers.rotary import rope_inverse_frequencies
+from tessera.models.llama import context_length, rope_parameters, sliding_window_of_layer
+from tessera.models.loader import UnsupportedModelError, model_class_for
+
+FIELDS = (
+    "model_type",
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "max_position_embeddings",
+    "quantization_config",
+)
+SMALL = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, "intermediate_size": 96}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+# config.json files as people write them: most leave fields out, older ones spell RoPE the old way.
+CASES: dict[str, dict[str, Any]] = {
+    "llama, nothing but its type": {"model_type": "llama"},
+    "llama, GQA": {"model_type": "llama", **SMALL, "num_key_value_heads": 2, "vocab_size": 128},
+    "llama, linear RoPE (old spelling)": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "rope_theta": 500000.0,
+    },
+    "llama 3.1 RoPE (old spelling)": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_scaling": LLAMA3_ROPE,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 131072,
+    },
+    "llama, rope_parameters": {"model_type": "llama", **SMALL, "rope_parameters": {"rope_theta": 1e6}},
+    "llama, head_dim, biases, tied": {
+        "model_type": "llama",
+        **SMALL,
+        "head_dim": 32,
+        "attention_bias": True,
+        "mlp_bias": True,
+        "tie_word_embeddings": True,
+        "architectures": ["LlamaForCausalLM"],
+    },
+    "llama, quantized": {"model_type": "llama", **SMALL, "quantization_config": {"quant_method": "gptq"}},
+    "mistral, nothing but its type": {"model_type": "mistral"},
+    "mistral, no window": {"model_type": "mistral", **SMALL, "sliding_window": None},
+    "llama, kv heads and head_dim null": {
+        "model_type": "llama",
+        **SMALL,
+        "num_key_value_heads": None,
+        "head_dim": None,
+    },
+    "qwen2, nothing but its type": {"model_type": "qwen2"},
+    "qwen2, window not used": {"model_type": "qwen2", **SMALL, "sliding_window": 32},
+    "qwen2, window on the upper layers": {
+        "model_type": "qwen2",
+        **SMALL,
+        "use_sliding_window": True,
+        "sliding_window": 32,
+        "max_window_layers": 2,
+    },
+    "qwen2, layer types given": {
+        "model_type": "qwen2",
+        **SMALL,
+        "use_sliding_window": True,
+        "sliding_window": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    },
+}
+
+
+def transformers_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def derived(config: Any) -> dict[str, Any]:
+    """What the model computes from a config, whichever reader made it."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    params = rope_parameters(config)
+    return {
+        "rope_type": params["rope_type"],
+        "context_length": context_length(config),
+        "windows": [sliding_window_of_layer(config, layer) for layer in range(config.num_hidden_layers)],
+        "head_dim": head_dim,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "inverse_frequencies": rope_inverse_frequencies(head_dim, params, context_length(config)),
+    }
+
+
+@pytest.mark.parametrize("fields", CASES.values(), ids=CASES.keys())
+def test_fields_and_derivations_match_transformers(tmp_path: Path, fields: dict[str, Any]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    ours, theirs = load_hf_config(tmp_path), transformers_config(tmp_path)
+    for name in FIELDS:
+        assert getattr(ours, name, None) == getattr(theirs, name, None), name
+    ours_derived, theirs_derived = derived(ours), derived(theirs)
+    torch.testing.assert_close(
+        ours_derived.pop("inverse_frequencies"), theirs_derived.pop("inverse_frequencies"), rtol=0, atol=0
+    )
+    assert ours_derived == theirs_derived
+    assert model_class_for(ours) is model_class_for(theirs)
+
+
+def test_saved_checkpoints_read_as_transformers_reads_them(tiny_qwen2_dir: Path, smollm2_dir: Path) -> None:
+    for folder in (tiny_qwen2_dir, smollm2_dir):
+        ours, theirs = load_hf_config(folder), transformers_config(folder)
+        assert {name: getattr(ours, name, None) for name in FIELDS} == {
+            name: getattr(theirs, name, None) for name in FIELDS
+        }
+        assert rope_parameters(ours) == rope_parameters(theirs)
+
+
+def test_family_from_architectures_when_model_type_is_missing() -> None:
+    config = HFConfig({"architectures": ["MistralForCausalLM"], **SMALL})
+    assert (
+        config.model_type == "mistral" and config.sliding_window == 4096 and config.num_key_value_heads == 8
+    )
+
+
+def test_an_unsupported_family_is_named_by_the_loader() -> None:
+    config = HFConfig({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2})
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        model_class_for(config)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "config.json is missing"), ("{", "not valid JSON"), ("[1]", "holds list, not a JSON object")],
+)
+def test_a_broken_config_file_is_named(tmp_path: Path, content: str | None, message: str) -> None:
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    with pytest.raises((FileNotFoundError, ValueError), match=message):
+        load_hf_config(tmp_path)
+
+
+def test_a_rank_loads_its_model_without_importing_transformers(tiny_llama_dir: Path) -> None:
+    """What the reader is for: a rank process never pays for transformers' import."""
+    script = (
+        "import sys; import torch; from tessera.models.loader import load_model; "
+        f"load_model({str(tiny_llama_dir)!r}, dtype=torch.float32, device='cpu'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
