@@ -4,8 +4,6 @@ and what it derives from them (RoPE frequencies, context length, sliding windows
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -164,16 +162,3 @@ def test_a_broken_config_file_is_named(tmp_path: Path, content: str | None, mess
         (tmp_path / "config.json").write_text(content)
     with pytest.raises((FileNotFoundError, ValueError), match=message):
         load_hf_config(tmp_path)
-
-
-def test_a_rank_process_loads_its_model_without_importing_transformers(tiny_llama_dir: Path) -> None:
-    """What the reader is for: `tessera worker` (its CLI, the worker, the model load) never pays
-    for transformers' import, nor for the benchmark client's."""
-    script = (
-        "import sys, torch, tessera.cli, tessera.worker.worker; tessera.cli.build_parser(); "
-        "from tessera.models.loader import load_model; "
-        f"load_model({str(tiny_llama_dir)!r}, dtype=torch.float32, device='cpu'); "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'aiohttp'}))"
-    )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]", result.stdout

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
-from transformers import PreTrainedTokenizerBase
 
 from tessera.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only a type: transformers takes seconds to import, so it loads with the tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens that prime the stream, so the first output token decodes with its context
 # (e.g. a leading space that a standalone decode would drop).

@@ -8,8 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from tessera.engine.detokenizer import IncrementalDetokenizer, decode
 from tessera.engine.errors import RequestFailedError
@@ -23,6 +22,9 @@ from tessera.engine.messages import (
 )
 from tessera.outputs import CompletionOutput, Logprob, RequestOutput
 from tessera.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only a type: transformers takes seconds to import, so it loads with the tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from tessera.config import EngineConfig
 from tessera.engine.generation_config import SamplingDefaults, eos_token_ids, load_sampling_defaults
@@ -15,8 +13,15 @@ from tessera.engine.messages import EngineCoreRequest
 from tessera.models.hf_config import load_hf_config
 from tessera.sampling_params import InvalidParameterError, SamplingParams
 
+if TYPE_CHECKING:  # only a type: transformers takes seconds to import, so it loads with the tokenizer
+    from transformers import PreTrainedTokenizerBase
+
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    # Imported here: AsyncLLM loads the tokenizer on a thread while the engine core process
+    # starts, so transformers' 3.5 s of imports overlap the model's load instead of preceding it.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
