@@ -69,10 +69,12 @@ def compile_command(variant: list[str], output: Path) -> list[str]:
     ]
 
 
-def passed_marker(name: str, command: list[str]) -> Path:
+def passed_marker(name: str, variant: list[str]) -> Path:
+    """Keyed on contents, not paths: every checkout and venv of the same code shares it (CI
+    clones afresh each run). The build key covers the sources, torch and the flags."""
     version = subprocess.run([compiler(), "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in (kernels.build_key(), version, *command[:-1]):  # not the output's path
+    for part in (kernels.build_key(), version, sysconfig.get_python_version(), *variant):
         digest.update(part.encode())
         digest.update(b"\0")
     return kernels._cache_root() / "isa-checks" / f"{name}-{digest.hexdigest()[:16]}"
@@ -80,11 +82,10 @@ def passed_marker(name: str, command: list[str]) -> Path:
 
 def compile_errors(name: str, variant: list[str], scratch: Path) -> str | None:
     """None if ``variant`` compiles (now or in a recorded earlier run), else the compiler's errors."""
-    command = compile_command(variant, scratch / f"{name}.o")
-    marker = passed_marker(name, command)
+    marker = passed_marker(name, variant)
     if marker.exists():
         return None
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(compile_command(variant, scratch / f"{name}.o"), capture_output=True, text=True)
     if result.returncode != 0:
         errors = [line for line in result.stderr.splitlines() if "error" in line]
         return "\n".join(errors[:20] or result.stderr.splitlines()[-20:])
