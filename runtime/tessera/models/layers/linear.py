@@ -12,6 +12,8 @@ AVX-512 panels or ATen's ``F.linear``; see ``tessera.kernels.gemm_selection``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -72,6 +74,21 @@ class LinearBase(nn.Module):
         super().__init__()
         self.packed_weight = None  # set by process_weights_after_loading
 
+    def create_weights(
+        self,
+        weight_shape: tuple[int, int],
+        bias_size: int | None,
+        dtype: torch.dtype | None,
+        bias_loader: Callable[[nn.Parameter, torch.Tensor], None] | None = None,
+    ) -> None:
+        """This rank's weight (and bias, when ``bias_size`` is given), each tagged with the loader
+        that copies its slice of a checkpoint tensor: ``weight_loader``, or ``bias_loader`` for the bias."""
+        self.weight = _param(weight_shape, dtype)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias = None if bias_size is None else _param((bias_size,), dtype)
+        if self.bias is not None:
+            self.bias.weight_loader = bias_loader or self.weight_loader  # type: ignore[attr-defined]
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.weight, self.packed_weight, bias)
 
@@ -104,11 +121,7 @@ class ReplicatedLinear(LinearBase):
         self, input_size: int, output_size: int, bias: bool = False, params_dtype: torch.dtype | None = None
     ) -> None:
         super().__init__()
-        self.weight = _param((output_size, input_size), params_dtype)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.bias = _param((output_size,), params_dtype) if bias else None
-        if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.create_weights((output_size, input_size), output_size if bias else None, params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _copy_checked(param.data, loaded)
@@ -140,11 +153,8 @@ class ColumnParallelLinear(LinearBase):
         self.output_sizes = output_sizes or [output_size]
         self.output_size_per_partition = divide(output_size, tp_size)
         self.gather_output = gather_output
-        self.weight = _param((self.output_size_per_partition, input_size), params_dtype)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.bias = _param((self.output_size_per_partition,), params_dtype) if bias else None
-        if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        shard = self.output_size_per_partition
+        self.create_weights((shard, input_size), shard if bias else None, params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[0]
@@ -316,11 +326,13 @@ class RowParallelLinear(LinearBase):
         self.input_size_per_partition = divide(input_size, tp_size)
         self.reduce_results = reduce_results
         self.scatter_output = sequence_parallel and tp_size > 1
-        self.weight = _param((output_size, self.input_size_per_partition), params_dtype)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.bias = _param((output_size,), params_dtype) if bias else None
-        if self.bias is not None:
-            self.bias.weight_loader = self._load_bias  # type: ignore[attr-defined]
+        # The bias is whole on every rank (added once, after the reduction).
+        self.create_weights(
+            (output_size, self.input_size_per_partition),
+            output_size if bias else None,
+            params_dtype,
+            bias_loader=self._load_bias,
+        )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.shape[1]
