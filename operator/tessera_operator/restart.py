@@ -9,14 +9,12 @@ the object's status, so an operator restart neither forgets a backoff nor restar
 from __future__ import annotations
 
 from tessera_operator.api import GroupStatus, RestartPolicySpec
-from tessera_operator.timeutil import from_rfc3339, to_rfc3339
+from tessera_operator.timeutil import capped_backoff, from_rfc3339, to_rfc3339
 
 
 def backoff_seconds(restarts: int, policy: RestartPolicySpec) -> float:
     """Delay before restart number `restarts` (1-based)."""
-    # Capped: after ~1,000 consecutive failures 2.0**exponent would overflow and fail every pass.
-    exponent = min(max(restarts - 1, 0), 62)
-    return float(min(policy.backoff_base_seconds * (2.0**exponent), policy.backoff_max_seconds))
+    return capped_backoff(restarts, policy.backoff_base_seconds, policy.backoff_max_seconds)
 
 
 def record_failure(group: GroupStatus, reason: str, now: float, policy: RestartPolicySpec) -> GroupStatus:

@@ -13,6 +13,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 
+from tessera_operator.timeutil import capped_backoff
+
 log = logging.getLogger("tessera_operator.workqueue")
 
 Key = Hashable
@@ -103,7 +105,7 @@ class WorkQueue:
             except Exception:
                 failures = self._failures.get(key, 0) + 1
                 self._failures[key] = failures
-                delay = min(0.5 * 2 ** (failures - 1), self._max_retry_delay)
+                delay = capped_backoff(failures, 0.5, self._max_retry_delay)
                 log.exception("reconciling %s failed (attempt %d); retrying in %.1fs", key, failures, delay)
                 self.add_after(key, delay)
             else:

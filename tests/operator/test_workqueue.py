@@ -127,6 +127,24 @@ async def test_failures_retry_with_a_capped_exponential_backoff() -> None:
     assert clock.pending() == []  # the success returned None: nothing to come back for
 
 
+async def test_a_key_failing_for_hours_keeps_being_retried_at_the_cap() -> None:
+    """Past 1,024 failures 0.5 * 2**n no longer fits a float: the delay must stay at the cap, not
+    raise in the worker (which would end that worker and drop the key's retry for good)."""
+    failures = 1100  # 9 hours of a handler failing every 30 s
+
+    async def handler(key: object) -> float | None:
+        nonlocal failures
+        failures -= 1
+        if failures >= 0:
+            raise RuntimeError("503 from the API server")
+        return None
+
+    async with key_queued_on_a_fake_clock(handler, workers=1, max_retry_delay=30.0) as (queue, clock):
+        await clock.advance(1100 * 30.0)
+        assert failures == -1  # every retry ran, then the success
+        assert clock.delays[-5:] == [30.0] * 5 and queue.idle
+
+
 async def test_a_success_resets_the_backoff_and_a_requeue_fires_no_earlier_than_asked() -> None:
     attempts: list[float] = []
     outcomes: list[float | Exception | None] = [RuntimeError("transient"), 7.0, RuntimeError("again"), None]
