@@ -85,7 +85,7 @@ def manifests(prefix: str, count: int) -> str:
             "kind": "InferenceCluster",
             "metadata": {"name": f"{prefix}{i}"},
             "spec": {
-                "model": {"source": "smollm2-135m-instruct"},
+                "model": {"source": "llama-3.1-8b-instruct"},  # 32 heads: 2 TP ranks take them
                 "parallelism": {"tensor": 2, "pipeline": 2},
                 "replicas": 2,
             },

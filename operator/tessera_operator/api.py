@@ -87,7 +87,10 @@ class ModelSpec(Wire):
         default="auto", description="Weight and activation dtype."
     )
     max_model_len: int | None = Field(
-        default=None, ge=1, le=MAX_TOKENS, description="Maximum context length (default: the model's)."
+        default=None,
+        ge=2,  # a prompt token and a generated one
+        le=MAX_TOKENS,
+        description="Maximum context length (default: the model's).",
     )
 
 

@@ -60,8 +60,32 @@ def check_annotations(field: str, annotations: Mapping[str, str]) -> list[FieldE
     return errors
 
 
+STANDARD_CONTAINER_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage"})
+
+
+def is_extended_resource(name: str) -> bool:
+    """A name with a domain outside kubernetes.io (nvidia.com/gpu): integers, never overcommitted."""
+    return "/" in name and "kubernetes.io/" not in name and not name.startswith("requests.")
+
+
+def resource_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a container's resource (the API server's validateContainerResourceName)."""
+    problem = qualified_name_problem(name)
+    if problem:
+        return problem
+    if "/" not in name and name not in STANDARD_CONTAINER_RESOURCES and not name.startswith("hugepages-"):
+        return (
+            f"{name!r}: a container resource without a domain must be cpu, memory, ephemeral-storage "
+            "or hugepages-<size>; others are qualified (nvidia.com/gpu)"
+        )
+    if name.startswith("requests."):
+        return f"{name!r}: the 'requests.' prefix is for quotas, not containers"
+    return None
+
+
 def check_resources(field: str, resources: Mapping[str, Any] | None) -> list[FieldError]:
-    """`{requests: {name: quantity}, limits: {...}}`: known keys, valid names, finite quantities, requests <= limits."""
+    """`{requests: {name: quantity}, limits: {...}}`: known keys, container resource names, finite
+    quantities, requests <= limits; extended resources whole and requested exactly at their limit."""
     errors: list[FieldError] = []
     parsed: dict[str, dict[str, Decimal]] = {}
     for kind, amounts in (resources or {}).items():
@@ -75,18 +99,31 @@ def check_resources(field: str, resources: Mapping[str, Any] | None) -> list[Fie
             continue
         for name, amount in amounts.items():
             where = f"{field}.{kind}[{name}]"
-            problem = qualified_name_problem(str(name))
+            problem = resource_name_problem(str(name))
             if problem:
                 errors.append(FieldError(where, problem))
                 continue
             try:
-                parsed.setdefault(kind, {})[name] = parse_quantity(amount)
+                quantity = parse_quantity(amount)
             except ValueError as exc:
                 errors.append(FieldError(where, str(exc)))
+                continue
+            if is_extended_resource(name) and quantity != quantity.to_integral_value():
+                errors.append(FieldError(where, f"{amount!r}: an extended resource must be a whole number"))
+                continue
+            parsed.setdefault(kind, {})[name] = quantity
+    limits = parsed.get("limits", {})
     for name, request in parsed.get("requests", {}).items():
-        limit = parsed.get("limits", {}).get(name)
-        if limit is not None and request > limit:
-            errors.append(FieldError(f"{field}.requests[{name}]", f"must be <= {field}.limits[{name}]"))
+        where = f"{field}.requests[{name}]"
+        exact = is_extended_resource(name) or name.startswith("hugepages-")  # never overcommitted
+        if exact and name not in limits:
+            errors.append(FieldError(where, f"needs {field}.limits[{name}] (it cannot be overcommitted)"))
+        elif exact and request != limits[name]:
+            errors.append(
+                FieldError(where, f"must equal {field}.limits[{name}] (it cannot be overcommitted)")
+            )
+        elif name in limits and request > limits[name]:
+            errors.append(FieldError(where, f"must be <= {field}.limits[{name}]"))
     return errors
 
 
@@ -130,15 +167,25 @@ def check_volume_mount(field: str, mount: Mapping[str, Any]) -> list[FieldError]
 
 
 def check_toleration(field: str, toleration: Mapping[str, Any]) -> list[FieldError]:
+    """The API server's ValidateTolerations: a label key, a label value (Equal) or none (Exists),
+    a known effect, and tolerationSeconds only for NoExecute."""
     errors = []
-    operator = toleration.get("operator", "")
+    key, operator = toleration.get("key") or "", toleration.get("operator", "")
+    value, effect = toleration.get("value") or "", toleration.get("effect", "")
+    problem = qualified_name_problem(str(key)) if key else None
+    if problem:
+        errors.append(FieldError(f"{field}.key", problem))
     if operator not in TOLERATION_OPERATORS:
         errors.append(FieldError(f"{field}.operator", "must be Exists or Equal"))
-    elif operator == "Exists" and toleration.get("value"):
+    elif operator == "Exists" and value:
         errors.append(FieldError(f"{field}.value", "must be empty when operator is Exists"))
-    if toleration.get("effect", "") not in TAINT_EFFECTS:
+    elif operator != "Exists" and (problem := label_value_problem(str(value))):
+        errors.append(FieldError(f"{field}.value", problem))
+    if effect not in TAINT_EFFECTS:
         errors.append(FieldError(f"{field}.effect", "must be NoSchedule, PreferNoSchedule or NoExecute"))
-    if not toleration.get("key") and operator != "Exists":
+    elif toleration.get("tolerationSeconds") is not None and effect != "NoExecute":
+        errors.append(FieldError(f"{field}.effect", "must be NoExecute when tolerationSeconds is set"))
+    if not key and operator != "Exists":
         errors.append(FieldError(f"{field}.operator", "must be Exists when key is empty"))
     return errors
 

@@ -1,24 +1,62 @@
-"""Layer counts of models the operator can check a layer partition against (others are not checked)."""
+"""Shapes of models the operator can check a layout against at admission (others are not checked).
+
+The runtime refuses a layout its model cannot take (a layer partition that does not add up, heads
+that do not split over the tensor-parallel ranks), but only once every rank pod has started and
+loaded: for a known model the webhook says so first, naming the field.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What bounds the parallel layout, from the model's config.json."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+
+    def tensor_split_problem(self, tensor: int) -> str | None:
+        """Why `tensor` ranks cannot share this model's layers (the runtime's rules), or None."""
+        if self.num_attention_heads % tensor:
+            return f"{self.num_attention_heads} attention heads do not split over {tensor} ranks"
+        if self.num_kv_heads % tensor and tensor % self.num_kv_heads:
+            # Fewer KV heads than ranks is fine when each KV head goes whole to tensor / kv ranks.
+            return (
+                f"{self.num_kv_heads} key/value heads neither split over {tensor} ranks nor divide {tensor}"
+            )
+        if self.intermediate_size % tensor:
+            return f"the MLP's {self.intermediate_size} columns do not split over {tensor} ranks"
+        return None
+
+
+SMOLLM2_135M = ModelShape(num_layers=30, num_attention_heads=9, num_kv_heads=3, intermediate_size=1536)
+LLAMA_70B = ModelShape(num_layers=80, num_attention_heads=64, num_kv_heads=8, intermediate_size=28672)
+
 # Keys are lower-case; a source matches by its full text or its last path component
 # (so `/models/Llama-3.1-70B-Instruct` and `meta-llama/Llama-3.1-70B-Instruct` both match).
-NUM_LAYERS: dict[str, int] = {
-    "smollm2": 30,
-    "smollm2-135m": 30,
-    "smollm2-135m-instruct": 30,
-    "smollm2-360m-instruct": 32,
-    "llama-3.1-8b-instruct": 32,
-    "llama-3.1-70b-instruct": 80,
-    "llama-3.3-70b-instruct": 80,
-    "meta-llama-3-70b-instruct": 80,
+KNOWN_MODELS: dict[str, ModelShape] = {
+    "smollm2": SMOLLM2_135M,
+    "smollm2-135m": SMOLLM2_135M,
+    "smollm2-135m-instruct": SMOLLM2_135M,
+    "smollm2-360m-instruct": ModelShape(
+        num_layers=32, num_attention_heads=15, num_kv_heads=5, intermediate_size=2560
+    ),
+    "llama-3.1-8b-instruct": ModelShape(
+        num_layers=32, num_attention_heads=32, num_kv_heads=8, intermediate_size=14336
+    ),
+    "llama-3.1-70b-instruct": LLAMA_70B,
+    "llama-3.3-70b-instruct": LLAMA_70B,
+    "meta-llama-3-70b-instruct": LLAMA_70B,
 }
 
 
-def known_num_layers(source: str) -> int | None:
+def known_model(source: str) -> ModelShape | None:
     text = source.strip().lower().removesuffix("/")
     for candidate in (text, text.rsplit("/", 1)[-1], text.rsplit("/", 1)[-1].removesuffix(".gguf")):
-        if candidate in NUM_LAYERS:
-            return NUM_LAYERS[candidate]
+        if candidate in KNOWN_MODELS:
+            return KNOWN_MODELS[candidate]
     return None

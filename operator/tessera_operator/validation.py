@@ -27,9 +27,11 @@ from tessera_operator.k8sformat import (
     check_toleration,
     check_volume,
     check_volume_mount,
+    is_extended_resource,
     qualified_name_problem,
+    resource_name_problem,
 )
-from tessera_operator.known_models import known_num_layers
+from tessera_operator.known_models import known_model
 from tessera_operator.naming import CLUSTER_NAME_RE, MAX_CLUSTER_NAME
 from tessera_operator.podpolicy import PodPolicy, check_pod_policy
 from tessera_operator.quantity import quantity_to_bytes
@@ -69,7 +71,11 @@ def validate_layout(spec: InferenceClusterSpec) -> list[FieldError]:
     par = spec.parallelism
     if par.sequence_parallel and par.tensor < 2:
         errors.append(FieldError("spec.parallelism.sequenceParallel", "needs spec.parallelism.tensor > 1"))
-    layers = known_num_layers(spec.model.source)
+    model = known_model(spec.model.source)
+    layers = model.num_layers if model is not None else None
+    problem = model.tensor_split_problem(par.tensor) if model is not None else None
+    if problem:
+        errors.append(FieldError("spec.parallelism.tensor", f"{problem} (model {spec.model.source!r})"))
     if par.layer_partition is not None:
         if len(par.layer_partition) != par.pipeline:
             errors.append(
@@ -177,7 +183,10 @@ def validate_template(template: TemplateSpec) -> list[FieldError]:
     errors += check_annotations(f"{field}.annotations", template.annotations)
     errors += _reserved_keys(f"{field}.annotations", template.annotations, "annotation")
     errors += check_labels(f"{field}.nodeSelector", template.node_selector)
-    problem = qualified_name_problem(template.gpu_resource_name)
+    name = template.gpu_resource_name
+    problem = resource_name_problem(name)
+    if not problem and not is_extended_resource(name):
+        problem = f"{name!r}: an accelerator is an extended resource with a domain (nvidia.com/gpu)"
     if problem:
         errors.append(FieldError(f"{field}.gpuResourceName", problem))
     for i, var in enumerate(template.env):

@@ -24,7 +24,7 @@ from tests.integration.operator_harness import (
 def manifest(**spec: Any) -> str:
     base: dict[str, Any] = {
         "model": {"source": "smollm2-135m-instruct"},
-        "parallelism": {"tensor": 2, "pipeline": 2},
+        "parallelism": {"tensor": 3, "pipeline": 2},
     }
     base.update(spec)
     return yaml.safe_dump(
@@ -121,7 +121,7 @@ def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_name
             assert [rule["operations"] for rule in live[0]["rules"]] == [["CREATE", "UPDATE"]]
             cases: list[tuple[dict[str, Any], str]] = [
                 (
-                    {"parallelism": {"tensor": 2, "pipeline": 2, "layerPartition": [30]}},
+                    {"parallelism": {"tensor": 3, "pipeline": 2, "layerPartition": [30]}},
                     "spec.parallelism.layerPartition",
                 ),
                 (
@@ -129,9 +129,10 @@ def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_name
                     "spec.parallelism.sequenceParallel",
                 ),
                 (
-                    {"parallelism": {"tensor": 2, "pipeline": 2, "layerPartition": [15, 14]}},
+                    {"parallelism": {"tensor": 3, "pipeline": 2, "layerPartition": [15, 14]}},
                     "spec.parallelism.layerPartition",
                 ),
+                ({"parallelism": {"tensor": 2}}, "spec.parallelism.tensor"),  # 9 heads do not split over 2
                 ({"rollout": {"maxUnavailable": 0, "maxSurge": 0}}, "spec.rollout.maxUnavailable"),
                 ({"engine": {"kvCacheMemory": "1e400"}}, "spec.engine.kvCacheMemory"),
                 ({"parallelism": {"tensor": 64, "pipeline": 30}}, "spec.replicas"),

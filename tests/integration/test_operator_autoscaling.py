@@ -97,7 +97,7 @@ def test_queue_depth_scales_groups_up_at_once_and_down_after_the_window(
         FakeKubelet(cluster, ns, pod_ip=address),
     ):
         apply_example(
-            cluster, ns, "smollm2.yaml", parallelism={"tensor": 2, "pipeline": 1}, autoscaling=autoscaling
+            cluster, ns, "smollm2.yaml", parallelism={"tensor": 1, "pipeline": 2}, autoscaling=autoscaling
         )
         wait_for(lambda: ic(cluster, ns, "smollm2")["status"].get("readyReplicas") == 1, "group 0 Ready")
         wait_for(lambda: gauge.scrapes >= 2, "the operator sampling the leader")

@@ -22,7 +22,7 @@ from tests.integration.operator_harness import (
     wait_for,
 )
 
-SMALL = {"tensor": 2, "pipeline": 2}
+SMALL = {"tensor": 3, "pipeline": 2}  # 6 pods a group, as the example
 FAST_RESTART = {"backoffBaseSeconds": 2, "backoffMaxSeconds": 8, "resetAfterSeconds": 600}
 
 
@@ -104,9 +104,9 @@ def test_scale_adds_and_removes_whole_groups(crds: Any, k8s_namespace: str) -> N
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns), FakeKubelet(cluster, ns):
         apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL)
-        wait_for(lambda: len(pod_names(cluster, ns)) == 4, "group 0")
+        wait_for(lambda: len(pod_names(cluster, ns)) == 6, "group 0")
         cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=3")
-        wait_for(lambda: len(pod_names(cluster, ns)) == 12, "3 groups")
+        wait_for(lambda: len(pod_names(cluster, ns)) == 18, "3 groups")
         wait_for(lambda: ic(cluster, ns, "smollm2")["status"].get("readyReplicas") == 3, "3 ready groups")
         scale_path = f"/apis/tessera.dev/v1alpha1/namespaces/{ns}/inferenceclusters/smollm2/scale"
         scale = json.loads(cluster.kubectl("get", "--raw", scale_path).stdout)
@@ -133,13 +133,13 @@ def test_a_node_drain_takes_down_one_group_at_a_time(crds: Any, k8s_namespace: s
     with running_operator(cluster, ns), FakeKubelet(cluster, ns, workers_ready=True):
         apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
         budget = wait_for(lambda: kjson(cluster, "get", "pdb", "smollm2", "-n", ns), "the disruption budget")
-        assert budget["spec"]["minAvailable"] == 7
+        assert budget["spec"]["minAvailable"] == 11
         assert budget["metadata"]["ownerReferences"][0]["kind"] == "InferenceCluster"
         wait_for(
             lambda: (
                 kjson(cluster, "get", "pdb", "smollm2", "-n", ns)["status"].get("disruptionsAllowed") == 1
             ),
-            "one disruption allowed once all 8 pods are Ready",
+            "one disruption allowed once all 12 pods are Ready",
         )
         assert evict(cluster, ns, "smollm2-g1-s1-t1") == 201
         # The evicted rank's group restarts; until it is back, nothing else may be evicted.
@@ -228,7 +228,7 @@ def test_deleted_pod_and_edited_service_are_put_back(crds: Any, k8s_namespace: s
         )
         cluster.kubectl("delete", "pod", "smollm2-g0-s1-t1", "-n", ns, "--wait=false")
         wait_for(
-            lambda: len(pod_names(cluster, ns)) == 4 and "smollm2-g0-s1-t1" in pod_names(cluster, ns),
+            lambda: len(pod_names(cluster, ns)) == 6 and "smollm2-g0-s1-t1" in pod_names(cluster, ns),
             "pod back",
         )
         group = ic(cluster, ns, "smollm2")["status"]["groups"][0]
@@ -283,7 +283,7 @@ def test_pods_an_orphaning_delete_left_are_adopted_not_replaced(crds: Any, k8s_n
             owners = [
                 [o["uid"] for o in p["metadata"].get("ownerReferences") or []] for p in pods(cluster, ns)
             ]
-            return len(owners) == 4 and all(o == [uid] for o in owners)
+            return len(owners) == 6 and all(o == [uid] for o in owners)
 
         wait_for(adopted, "pods adopted")
         wait_for(
@@ -296,7 +296,7 @@ def test_deleting_the_cluster_garbage_collects_everything(crds: Any, k8s_namespa
     cluster, ns = crds, k8s_namespace
     with running_operator(cluster, ns):
         apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
-        wait_for(lambda: len(pod_names(cluster, ns)) == 8, "8 pods")
+        wait_for(lambda: len(pod_names(cluster, ns)) == 12, "12 pods")
         cluster.kubectl("delete", "ic", "smollm2", "-n", ns)
         wait_for(lambda: not pod_names(cluster, ns), "pods collected", timeout=60)
         wait_for(
@@ -313,6 +313,6 @@ def test_cluster_wide_operator_serves_any_namespace(crds: Any, k8s_namespace: st
     try:
         with running_operator(cluster, ns, cluster_wide=True):
             apply_example(cluster, other, "smollm2.yaml", parallelism=SMALL)
-            wait_for(lambda: len(pod_names(cluster, other)) == 4, "pods in another namespace")
+            wait_for(lambda: len(pod_names(cluster, other)) == 6, "pods in another namespace")
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)

@@ -15,7 +15,7 @@ from tests.integration.operator_harness import (
     wait_for,
 )
 
-SMALL = {"tensor": 2, "pipeline": 2}
+SMALL = {"tensor": 3, "pipeline": 2}  # 6 pods a group, as the example
 
 
 def snapshot(cluster: Any, ns: str) -> dict[int, tuple[set[str], bool]]:

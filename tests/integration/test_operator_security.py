@@ -23,7 +23,7 @@ def apply(cluster: Any, ns: str, name: str, check: bool = True, **spec: Any) -> 
         "apiVersion": "tessera.dev/v1alpha1",
         "kind": "InferenceCluster",
         "metadata": {"name": name},
-        "spec": {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"tensor": 2}, **spec},
+        "spec": {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"pipeline": 2}, **spec},
     }
     return cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc), check=check)
 

@@ -19,7 +19,7 @@ REF = builders.ClusterRef("demo", "ns", "uid-1")
 
 def spec_of(**overrides: Any) -> InferenceClusterSpec:
     raw: dict[str, Any] = {
-        "model": {"source": "smollm2-135m-instruct"},
+        "model": {"source": "llama-3.1-8b-instruct"},
         "parallelism": {"tensor": 2, "pipeline": 2},
     }
     raw.update(overrides)

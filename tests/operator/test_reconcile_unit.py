@@ -100,7 +100,7 @@ def fake_with_cluster(**spec: Any) -> FakeClient:
     client.objects[IC_PATH] = {
         "metadata": {"name": "demo", "namespace": "ns", "uid": "ic-uid", "generation": 3},
         "spec": {
-            "model": {"source": "smollm2-135m-instruct"},
+            "model": {"source": "llama-3.1-8b-instruct"},
             "parallelism": {"tensor": 2, "pipeline": 2},
             **spec,
         },

@@ -3,7 +3,7 @@ import pytest
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.validation import validate_object
 
-BASE = {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"tensor": 2, "pipeline": 2}}
+BASE = {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"tensor": 3, "pipeline": 2}}
 
 
 def fields(name: str, **spec_changes: object) -> list[str]:
@@ -52,6 +52,11 @@ def test_valid_object_has_no_errors() -> None:
             "spec.engine.maxNumBatchedTokens",
         ),
         ({"parallelism": {"tensor": 0}}, "spec.parallelism.tensor"),
+        # What the runtime would refuse in every rank once loaded: SmolLM2-135M has 9 query heads,
+        # 3 key/value heads and a 1,536-wide MLP.
+        ({"parallelism": {"tensor": 2, "pipeline": 2}}, "spec.parallelism.tensor"),
+        ({"parallelism": {"tensor": 9}}, "spec.parallelism.tensor"),
+        ({"model": {"source": "smollm2-135m-instruct", "maxModelLen": 1}}, "spec.model.maxModelLen"),
     ],
 )
 def test_cross_field_errors_name_the_field(changes: dict[str, object], field: str) -> None:
@@ -61,6 +66,31 @@ def test_cross_field_errors_name_the_field(changes: dict[str, object], field: st
 def test_unknown_models_skip_the_layer_count_check() -> None:
     spec = {"model": {"source": "/models/custom"}, "parallelism": {"pipeline": 2, "layerPartition": [3, 4]}}
     assert validate_object("demo", spec) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "tensor"),
+    [
+        ("smollm2-135m-instruct", 3),  # one KV head a rank
+        ("/models/Llama-3.1-70B-Instruct", 8),
+        ("meta-llama/Llama-3.1-70B-Instruct", 16),  # 8 KV heads, each whole on 2 ranks
+        ("llama-3.1-8b-instruct", 2),
+    ],
+)
+def test_tensor_sizes_the_model_splits_over_pass(source: str, tensor: int) -> None:
+    assert validate_object("demo", {"model": {"source": source}, "parallelism": {"tensor": tensor}}) == []
+
+
+def test_the_tensor_error_says_what_does_not_split() -> None:
+    errors = validate_object(
+        "demo", {"model": {"source": "smollm2-360m-instruct"}, "parallelism": {"tensor": 2}}
+    )
+    assert [(e.field, e.message) for e in errors] == [
+        (
+            "spec.parallelism.tensor",
+            "15 attention heads do not split over 2 ranks (model 'smollm2-360m-instruct')",
+        )
+    ]
 
 
 @pytest.mark.parametrize("name", ["0demo", "Demo", "a" * 41, "demo-"])
@@ -170,6 +200,51 @@ TOKEN = {"name": "tok", "projected": {"sources": [{"serviceAccountToken": {"path
         ({"template": {"env": [{"name": "A B", "value": "1"}]}}, "spec.template.env[0].name"),
         ({"template": {"env": [{"name": f"V{i}", "value": "1"} for i in range(300)]}}, "spec.template.env"),
         ({"template": {"gpuResourceName": "nvidia gpu"}}, "spec.template.gpuResourceName"),
+        ({"template": {"gpuResourceName": "gpu"}}, "spec.template.gpuResourceName"),
+        ({"template": {"gpuResourceName": "kubernetes.io/gpu"}}, "spec.template.gpuResourceName"),
+        # The API server's container resource rules.
+        (
+            {"template": {"resources": {"limits": {"memroy": "1Gi"}}}},
+            "spec.template.resources.limits[memroy]",
+        ),
+        (
+            {"template": {"resources": {"limits": {"example.com/fpga": "500m"}}}},
+            "spec.template.resources.limits[example.com/fpga]",
+        ),
+        (
+            {"template": {"resources": {"requests": {"example.com/fpga": "1"}}}},
+            "spec.template.resources.requests[example.com/fpga]",
+        ),
+        (
+            {
+                "template": {
+                    "resources": {"requests": {"example.com/fpga": 1}, "limits": {"example.com/fpga": 2}}
+                }
+            },
+            "spec.template.resources.requests[example.com/fpga]",
+        ),
+        (
+            {"template": {"resources": {"requests": {"hugepages-2Mi": "2Mi"}, "limits": {"memory": "1Gi"}}}},
+            "spec.template.resources.requests[hugepages-2Mi]",
+        ),
+        (
+            {"template": {"tolerations": [{"key": "team", "operator": "Equal", "value": "a b"}]}},
+            "spec.template.tolerations[0].value",
+        ),
+        (
+            {"template": {"tolerations": [{"key": "bad key!", "operator": "Exists"}]}},
+            "spec.template.tolerations[0].key",
+        ),
+        (
+            {
+                "template": {
+                    "tolerations": [
+                        {"key": "k", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 30}
+                    ]
+                }
+            },
+            "spec.template.tolerations[0].effect",
+        ),
         ({"placement": {"topologyKey": "-zone"}}, "spec.placement.topologyKey"),
         ({"model": {"source": "--api-key=stolen"}}, "spec.model.source"),
         ({"template": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, "spec.template.volumes[0].name"),
@@ -243,7 +318,17 @@ def test_valid_pod_fields_pass() -> None:
         ],
         "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "m"}}],
         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+        "resources": {
+            "requests": {"cpu": "2", "memory": "4Gi", "example.com/fpga": 1, "hugepages-2Mi": "64Mi"},
+            "limits": {"cpu": "4", "memory": "8Gi", "example.com/fpga": "1", "hugepages-2Mi": "64Mi"},
+        },
         "tolerations": [
+            {
+                "key": "node.kubernetes.io/unreachable",
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": 30,
+            },
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
             {"key": "team", "operator": "Equal", "value": "ml"},
             {"key": "spot", "value": "true"},
@@ -302,4 +387,7 @@ def test_named_secrets_can_be_allowed_without_opening_every_secret() -> None:
 
 
 def test_the_largest_cluster_within_the_cap_passes() -> None:
-    assert fields("demo", replicas=64, parallelism={"tensor": 8, "pipeline": 2}) == []  # 1,024 pods
+    layout = {"tensor": 8, "pipeline": 2}
+    assert (
+        fields("demo", model={"source": "llama-3.1-8b-instruct"}, replicas=64, parallelism=layout) == []
+    )  # 1,024 pods
