@@ -98,6 +98,8 @@ def test_empty_prompt_list_is_400(server: ServerProcess) -> None:
         ({"prompt": "hi", "stop": [f"s{i}" for i in range(100_000)]}, "stop"),
         ({"prompt": "hi", "stop": ["x" * 513]}, "stop"),
         ({"prompt": "hi", "stop_token_ids": list(range(2)) * 600}, "stop_token_ids"),
+        # No max_tokens: the room the prompt leaves of the 128-token context, below min_tokens.
+        ({"prompt": "hi", "max_tokens": None, "min_tokens": 200}, "min_tokens"),
     ],
 )
 def test_requests_over_the_caps_are_400(server: ServerProcess, body: dict[str, Any], param: str) -> None:

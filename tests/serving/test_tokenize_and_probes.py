@@ -54,6 +54,10 @@ def test_tokenize_refuses_bad_input_by_name_and_needs_the_key(server: ServerProc
     assert error["param"] == "tokens"
     assert_openai_error(post(server, "/tokenize", {"model": "no-such-model", "prompt": "hi"}), 404)
     assert_openai_error(post(server, "/tokenize", {}), 400)
+    # A conversation's mistake is named as the chat form's, not as the prompt form's missing prompt.
+    for messages, param in (([{"role": "bogus", "content": "hi"}], "messages[0]"), ([], "messages")):
+        error = assert_openai_error(post(server, "/tokenize", {"messages": messages}), 400)
+        assert error["param"].startswith(param) and "prompt" not in error["message"], error
     for path in ("/tokenize", "/detokenize"):
         assert_openai_error(httpx.post(f"{server.base_url}{path}", json={"prompt": "hi", "tokens": [1]}), 401)
 

@@ -44,8 +44,7 @@ from tessera.entrypoints.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
     TokenizeResponse,
 )
 from tessera.entrypoints.serve_args import add_serve_args
@@ -211,7 +210,7 @@ def build_app(
     @app.post(
         "/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES, dependencies=json_body
     )
-    async def tokenize_prompt(body: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize_prompt(body: TokenizeRequest) -> TokenizeResponse:
         return await tokenize(ctx, body)
 
     @app.post(

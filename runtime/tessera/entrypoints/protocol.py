@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from tessera.engine.generation_config import SamplingDefaults
 from tessera.sampling_params import MAX_LOGPROBS, MAX_N, InvalidParameterError, SamplingParams
@@ -518,6 +518,21 @@ class TokenizeChatRequest(RequestModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template already holds the special tokens it wants
     return_token_strs: bool = False
+
+
+def _tokenize_form(body: Any) -> str:
+    """A body with messages is the chat form: its mistakes are reported as the chat form's, not as
+    the prompt form's missing prompt."""
+    chat = (isinstance(body, dict) and "messages" in body) or isinstance(body, TokenizeChatRequest)
+    return "TokenizeChatRequest" if chat else "TokenizeCompletionRequest"
+
+
+# Tags are class names: not lower-case, so an error's `param` leaves them out.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_form),
+]
 
 
 class TokenizeResponse(OpenAIModel):

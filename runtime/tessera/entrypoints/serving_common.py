@@ -143,9 +143,18 @@ class ServingContext:
         self.limits.check(params, num_prompts, logprobs_param)
         self.engine.processor.check_params(params)
 
-    def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> None:
-        """A completion must fit the context with its prompt: refused, never silently cut short."""
+    def check_context(
+        self, prompt_tokens: int, max_tokens: int | None, param: str, min_tokens: int = 0
+    ) -> None:
+        """A completion must fit the context with its prompt: refused, never silently cut short.
+        Without max_tokens it may take the room the prompt leaves, which must hold min_tokens."""
         limit = self.engine.max_model_len
+        if max_tokens is None and prompt_tokens + min_tokens > limit:
+            raise InvalidParameterError(
+                "min_tokens",
+                f"min_tokens must be in [0, max_tokens], got {min_tokens} (max_tokens: the "
+                f"{max(limit - prompt_tokens, 0)} tokens the {prompt_tokens}-token prompt leaves of {limit})",
+            )
         if max_tokens is not None and prompt_tokens + max_tokens > limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

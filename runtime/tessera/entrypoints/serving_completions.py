@@ -109,7 +109,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
         for i, p in enumerate(prompts)
     ]
     for ids in token_lists:
-        ctx.check_context(len(ids), params.max_tokens, "max_tokens")
+        ctx.check_context(len(ids), params.max_tokens, "max_tokens", params.min_tokens)
     ctx.check_admission(len(prompts) * params.n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     # A truncated prompt is echoed as what the model saw.
