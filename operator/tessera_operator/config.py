@@ -1,6 +1,6 @@
 """Operator settings: command-line flags of `tessera-operator`, or environment variables.
 
-The environment form serves `kopf run -m tessera_operator` and tests (short resyncs).
+The environment form serves `kopf run -m tessera_operator.handlers` and tests (short resyncs).
 """
 
 from __future__ import annotations

@@ -152,6 +152,8 @@ def test_bad_values_are_refused_naming_the_value() -> None:
     assert "serviceAccount.name is required" in refusal("serviceAccount.create=false")
     # A scope that looks narrow but is not: cluster-wide rights, every namespace watched.
     assert "watch.namespaces" in refusal("watch.clusterWide=true", "watch.namespaces={team-a}")
+    # Both servers would bind one port: the second fails and the operator stops.
+    assert "the same port" in refusal("webhook.enabled=true", "operator.healthPort=9443")
 
 
 def test_large_numbers_reach_the_operator_as_integers(tmp_path: Path) -> None:
