@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -100,3 +102,24 @@ def test_a_failed_rank_fails_requests_fast_and_takes_every_rank_down(
         assert server.proc.returncode != 0
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_a_killed_engine_core_leaves_no_rank_and_no_ipc_folder(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer's) of a multi-rank engine core: its ranks go with it, the server
+    exits non-zero, and neither the core's nor its ranks' socket folders stay behind."""
+    patterns = [os.path.join(tempfile.gettempdir(), f"tessera-{kind}-*") for kind in ("core", "ranks")]
+    before = {p: set(glob.glob(p)) for p in patterns}
+    server = ServerProcess(tiny_llama_dir, "--pp", "2", api_key=None, log=tmp_path / "s.log")
+    try:
+        ranks = rank_pids(server)
+        assert len(ranks) == 2
+        os.kill(server.engine_core_pid(), signal.SIGKILL)
+        assert server.proc.wait(timeout=ALL_EXIT_WITHIN_S) != 0
+        deadline = time.monotonic() + ALL_EXIT_WITHIN_S
+        while time.monotonic() < deadline and not all(exited(p) for p in ranks):
+            time.sleep(0.2)
+        assert all(exited(p) for p in ranks), "a rank outlived its engine core"
+    finally:
+        server.stop()
+    assert {p: set(glob.glob(p)) for p in patterns} == before

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -226,3 +228,12 @@ def test_consecutive_aborts_that_queued_during_a_step_reach_the_scheduler_as_one
     proc.input_queue.put((core_proc.ABORT, ["f"]))
     proc.input_queue.put((core_proc.SHUTDOWN, None))
     assert not proc._handle_queued() and calls[-1] == ("abort", ["f"])
+
+
+def test_the_frontend_waits_for_its_core_past_the_ranks_startup_limit() -> None:
+    """A leader waiting an hour for slow rank pods (image pulls) must be the one to give up, naming
+    the rank that never joined; the frontend must not kill it first with a vaguer error."""
+    code = "from tessera.engine.core_client import STARTUP_TIMEOUT_S; print(STARTUP_TIMEOUT_S)"
+    env = {**os.environ, "TESSERA_RANK_STARTUP_TIMEOUT": "3600", "TESSERA_LOCAL_STARTUP_TIMEOUT": "1200"}
+    shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert float(shown.stdout) > 3600

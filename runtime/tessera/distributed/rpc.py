@@ -35,6 +35,8 @@ HELLO, READY, RESULT, OUTPUT, PONG, FATAL = b"HELLO", b"READY", b"RESULT", b"OUT
 HEARTBEAT_INTERVAL_S = 1.0
 # A rank that sends nothing for this long is dead or stopped (SIGSTOP); so is a silent leader.
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("TESSERA_HEARTBEAT_TIMEOUT", "5"))
+# A leader heard from once, then silent this long while its rank still loads, is gone too.
+STARTUP_SILENCE_S = 6 * HEARTBEAT_TIMEOUT_S
 MAX_MESSAGE_BYTES = 256 << 20
 _WAKE = "inproc://tessera-rpc-wake"
 
@@ -181,12 +183,16 @@ class LeaderChannel:
 class WorkerLink:
     """A rank's end: messages from the leader arrive in ``inbox``; ``send`` replies.
 
-    When the leader falls silent for longer than the heartbeat timeout the process exits with
-    status 1 from the I/O thread, whatever the main thread is doing: no rank outlives its leader.
+    When the leader falls silent for longer than the heartbeat timeout (once this rank is ready;
+    before, STARTUP_SILENCE_S from the leader's first answer) the process exits with status 1
+    from the I/O thread, whatever the main thread is doing: no rank outlives its leader. A rank
+    the leader started on its own machine (``parent_pid``) also exits as soon as that process is
+    gone, even before the leader ever answered.
     """
 
-    def __init__(self, addr: str, rank: int) -> None:
+    def __init__(self, addr: str, rank: int, parent_pid: int | None = None) -> None:
         self.rank = rank
+        self._parent_pid = parent_pid
         self.inbox: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self._zmq = zmq.Context()
         self._dealer = self._zmq.socket(zmq.DEALER)
@@ -205,7 +211,7 @@ class WorkerLink:
         self._leader_seen: float | None = None
         # Tells this process from a replacement of it: in containers every rank may be pid 1.
         self._instance = uuid.uuid4().hex
-        self._armed = False  # the leader-silence deadline holds once this rank is ready
+        self._armed = False  # the strict leader-silence deadline holds once this rank is ready
         self._thread = threading.Thread(target=self._loop, name="leader-link", daemon=True)
         self._thread.start()
 
@@ -215,8 +221,8 @@ class WorkerLink:
             self._outbox.send_multipart([kind, data])
 
     def arm(self) -> None:
-        """From now on a silent leader ends this process (before, a local rank dies with its parent
-        and a remote one waits for its leader at most the startup timeout)."""
+        """From now on the leader may be silent only the heartbeat timeout (while this rank loads,
+        its main thread may hold the CPU and the GIL for long stretches: STARTUP_SILENCE_S)."""
         self._leader_seen = time.monotonic()
         self._armed = True
 
@@ -247,14 +253,14 @@ class WorkerLink:
                 self._dealer.send_multipart(
                     [beat, serialization.encode({"rank": self.rank, "instance": self._instance})]
                 )
-            if (
-                self._armed
-                and self._leader_seen is not None
-                and now - self._leader_seen > HEARTBEAT_TIMEOUT_S
-            ):
+            silence_limit = HEARTBEAT_TIMEOUT_S if self._armed else STARTUP_SILENCE_S
+            if self._leader_seen is not None and now - self._leader_seen > silence_limit:
                 logger.error(
-                    "rank %d: the leader is gone (silent for %.0f s); exiting", self.rank, HEARTBEAT_TIMEOUT_S
+                    "rank %d: the leader is gone (silent for %.0f s); exiting", self.rank, silence_limit
                 )
+                os._exit(1)
+            if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                logger.error("rank %d: the process that started it is gone; exiting", self.rank)
                 os._exit(1)
         # What send() queued just before close() still goes out: a failing rank's last FATAL.
         while self._inbox_sock.poll(0):

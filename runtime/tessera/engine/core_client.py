@@ -41,10 +41,13 @@ from tessera.engine.core_proc import (
     set_max_message_size,
 )
 from tessera.engine.messages import EngineCoreHeartbeat, EngineCoreOutputs, EngineCoreRequest
+from tessera.worker.worker_proc import LOCAL_STARTUP_TIMEOUT_S, RANK_STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 900.0  # model loading (and GGUF conversion on a first run) can be slow
+# Model loading (and GGUF conversion on a first run) can be slow. Beyond the engine core's own
+# limit for its ranks to join and load, so that a core that gives up on a rank says which first.
+STARTUP_TIMEOUT_S = max(RANK_STARTUP_TIMEOUT_S, LOCAL_STARTUP_TIMEOUT_S) + 900.0
 # The core heartbeats every second; this much silence means it stopped answering.
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("TESSERA_ENGINE_HEARTBEAT_TIMEOUT_S", "30"))
 # One busy-loop iteration (a step) running this long with work queued means the core is stuck.

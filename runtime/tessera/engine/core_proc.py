@@ -23,6 +23,7 @@ import queue
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -298,6 +299,10 @@ def run_engine_core(
     """Entry point of the spawned engine core process."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine-core] %(message)s")
     orphaned = [os.path.dirname(input_addr.removeprefix("ipc://"))] if input_addr.startswith("ipc://") else []
+    if orphaned:
+        # This process's temporary folders (its ranks' IPC sockets) go inside the frontend's,
+        # which the frontend removes even when this process is killed outright.
+        tempfile.tempdir = orphaned[0]
     _exit_when_parent_dies(orphaned)
     shutdown_requested = threading.Event()
 

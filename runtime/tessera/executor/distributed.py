@@ -34,13 +34,17 @@ from tessera.distributed import rpc
 from tessera.executor.base import STEP_TIMEOUT_S, Executor, ExecutorFailedError
 from tessera.ports import free_port
 from tessera.topology import Topology
-from tessera.worker.worker_proc import LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, RPC_ADDR_ENV
+from tessera.worker.worker_proc import (
+    LOCAL_RANK_ENV,
+    LOCAL_STARTUP_TIMEOUT_S,
+    LOCAL_WORLD_SIZE_ENV,
+    PARENT_PID_ENV,
+    RANK_STARTUP_TIMEOUT_S,
+    RPC_ADDR_ENV,
+)
 
 logger = logging.getLogger(__name__)
 
-LOCAL_STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_LOCAL_STARTUP_TIMEOUT", "600"))
-# Pods may still be scheduled, pulling images or converting the model.
-REMOTE_STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_RANK_STARTUP_TIMEOUT", "900"))
 RPC_TIMEOUT_S = 600.0
 
 
@@ -79,7 +83,11 @@ class DistributedExecutor(Executor):
         self._instances: dict[int, str] = {}  # each rank process's random id (pods' pids are all alike)
         self._ready: dict[int, dict[str, Any]] = {}
         self._welcome = {"config": config.model_dump_json()}
-        self.channel = rpc.LeaderChannel(bind_addrs, self.world_size, self._on_message, self._fail)
+        try:
+            self.channel = rpc.LeaderChannel(bind_addrs, self.world_size, self._on_message, self._fail)
+        except BaseException:  # e.g. the RPC port taken: nothing else holds the folder yet
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            raise
         self.channel.start()  # only now: a pod rank's HELLO may be waiting, and it needs self.channel
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         try:
@@ -105,11 +113,12 @@ class DistributedExecutor(Executor):
         env[RPC_ADDR_ENV] = rpc_addr
         env[LOCAL_RANK_ENV] = str(local_index)
         env[LOCAL_WORLD_SIZE_ENV] = str(local_world)
+        env[PARENT_PID_ENV] = str(os.getpid())
         if self.topology.leader_addr in ("127.0.0.1", "localhost"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         # The parent-death signal fires when the *thread* that started the rank ends: only the
         # main thread lives as long as the process (an offline LLM may be built on any thread).
-        # Elsewhere a rank still exits when its leader falls silent (WorkerLink's heartbeat).
+        # Elsewhere a rank still exits when its parent process is gone (WorkerLink watches it).
         on_main_thread = threading.current_thread() is threading.main_thread()
         proc = subprocess.Popen(
             [sys.executable, "-m", "tessera.cli", "worker"],
@@ -277,7 +286,7 @@ class RemoteRanksExecutor(DistributedExecutor):
             )
         if topology.layout != config.parallel:
             raise ValueError(f"engine layout {config.parallel} differs from the topology's {topology.layout}")
-        super().__init__(config, topology, [0], [f"tcp://*:{topology.rpc_port}"], REMOTE_STARTUP_TIMEOUT_S)
+        super().__init__(config, topology, [0], [f"tcp://*:{topology.rpc_port}"], RANK_STARTUP_TIMEOUT_S)
 
 
 def _die_with_parent() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import sys
 import traceback
 from typing import Any
@@ -23,9 +24,15 @@ logger = logging.getLogger("tessera.worker")
 RPC_ADDR_ENV = "TESSERA_RPC_ADDR"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_ENV = "TESSERA_LOCAL_WORLD_SIZE"
+# The pid of the process that started this rank: once it is gone (getppid() differs), so is the rank.
+PARENT_PID_ENV = "TESSERA_PARENT_PID"
+# How long a leader waits for its ranks to join and load, and a rank for its leader: pods may
+# still be scheduled, pulling images or converting the model. A rank pod may start long before
+# its leader; past this it gives up and exits 1.
+RANK_STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_RANK_STARTUP_TIMEOUT", "900"))
+# The same for rank processes the leader starts on its own machine (`--tp/--pp`).
+LOCAL_STARTUP_TIMEOUT_S = float(os.environ.get("TESSERA_LOCAL_STARTUP_TIMEOUT", "600"))
 # The only worker methods the leader may call (the RPC port is reachable from the network).
-# A pod may start long before its leader (image pulls, scheduling); then it gives up and exits 1.
-LEADER_WAIT_S = float(os.environ.get("TESSERA_RANK_STARTUP_TIMEOUT", "900"))
 CALLABLE = frozenset(
     {
         "needs_memory_profile",
@@ -55,7 +62,12 @@ def run_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
     from tessera.worker import cpu_binding
 
     cpu_binding.OWN_PROCESS = True  # a rank process: its threads are nobody else's
-    link = rpc.WorkerLink(leader_rpc_addr(topology, environ), topology.rank)
+    parent_pid = int(environ[PARENT_PID_ENV]) if environ.get(PARENT_PID_ENV, "").isdigit() else None
+    if parent_pid is not None:
+        # Its leader owns its life: a terminal's Ctrl-C (sent to the whole process group) is for
+        # the caller, whose engine must still work afterwards, not for the ranks under it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    link = rpc.WorkerLink(leader_rpc_addr(topology, environ), topology.rank, parent_pid=parent_pid)
     logger.info(
         "rank %d of %d: joining %s", topology.rank, topology.world_size, leader_rpc_addr(topology, environ)
     )
@@ -79,11 +91,14 @@ def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[
     from tessera.worker.worker import Worker
 
     try:
-        kind, welcome = link.inbox.get(timeout=LEADER_WAIT_S)
+        kind, welcome = link.inbox.get(timeout=RANK_STARTUP_TIMEOUT_S)
     except queue.Empty:
         raise TimeoutError(
-            f"no leader answered at {leader_rpc_addr(topology, environ)} in {LEADER_WAIT_S:.0f} s"
+            f"no leader answered at {leader_rpc_addr(topology, environ)} in {RANK_STARTUP_TIMEOUT_S:.0f} s"
         ) from None
+    if kind == rpc.SHUTDOWN:  # the leader gave up before this rank joined (it logs why)
+        logger.info("rank %d: the leader shut down before this rank joined", topology.rank)
+        return
     if kind != rpc.WELCOME:
         raise RuntimeError(f"expected WELCOME from the leader, got {kind!r}")
     config = EngineConfig.model_validate_json(welcome["config"])
