@@ -97,3 +97,41 @@ def test_a_quantized_checkpoint_is_refused_by_name(tiny_llama_dir: Path, tmp_pat
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=r"quantized checkpoint \(fp8\)"):
         load_model(folder, dtype=torch.float32, device="cpu")
+
+
+def edit_config(source: Path, target: Path, **changes: object) -> Path:
+    shutil.copytree(source, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(changes)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("changes", "tensor"),
+    [
+        # Smaller layers in config.json than in the checkpoint: a rank's slice would fit, cut from
+        # a tensor that is not this model's (transformers refuses the same folders).
+        ({"intermediate_size": 32}, "model.layers.0.mlp."),
+        ({"num_key_value_heads": 1}, "model.layers.0.self_attn.k_proj.weight"),
+        ({"num_hidden_layers": 1}, "model.layers.1."),  # a layer past the last one has no place
+    ],
+)
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_checkpoint_larger_than_its_config_is_refused_naming_the_tensor(
+    tiny_llama_dir: Path, tmp_path: Path, changes: dict[str, int], tensor: str, tp_size: int
+) -> None:
+    folder = edit_config(tiny_llama_dir, tmp_path / "mismatch", **changes)
+    with pytest.raises(ValueError, match=re.escape(tensor)):
+        load_model(folder, dtype=torch.float32, device="cpu", tp_rank=tp_size - 1, tp_size=tp_size)
+
+
+def test_a_norm_weight_of_another_shape_is_refused_not_broadcast(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    def shrink(tensors: dict[str, torch.Tensor]) -> None:
+        tensors["model.norm.weight"] = tensors["model.norm.weight"][:1].clone()
+
+    folder = rewrite_checkpoint(tiny_llama_dir, tmp_path / "norm", shrink)
+    with pytest.raises(ValueError, match=re.escape("model.norm.weight: checkpoint tensor of shape (1,)")):
+        load_model(folder, dtype=torch.float32, device="cpu")

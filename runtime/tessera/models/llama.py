@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from tessera.distributed.communication import padded_rows, tp_all_gather
-from tessera.models.checkpoint import CheckpointTensor, materialize
+from tessera.models.checkpoint import CheckpointTensor
 from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
 from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tessera.models.layers.linear import QKVParallelLinear, RowParallelLinear, SiluGatedLinear
+from tessera.models.layers.linear import QKVParallelLinear, RowParallelLinear, SiluGatedLinear, copy_checked
 from tessera.models.layers.norm import RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
 from tessera.topology import split_layers
@@ -336,36 +336,51 @@ class LlamaForCausalLM(nn.Module):
         parts: dict[str, set[Any]] = {}
         unplaced: list[str] = []
         for name, tensor in weights:
-            for target in self._targets(name):
-                fused = next(((frag, new, sid) for frag, new, sid in STACKED_PARAMS if frag in target), None)
-                if fused is not None:
-                    frag, new, shard_id = fused
-                    target = target.replace(frag, new)
-                    if target not in params:
-                        unplaced.append(name)
-                        continue
-                    param = params[target]
-                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-                    parts.setdefault(target, set()).add(shard_id)
-                    if parts[target] != FUSED_PARTS[new]:
-                        continue
-                elif target in params:
-                    param = params[target]
-                    loader = getattr(param, "weight_loader", None)
-                    if loader is None:
-                        param.data.copy_(materialize(tensor))
-                    else:
-                        loader(param, tensor)
-                else:
-                    unplaced.append(name)
-                    continue
-                loaded.add(target)
+            try:
+                self._place(name, tensor, params, loaded, parts, unplaced)
+            except ValueError as exc:  # a shape config.json does not imply: say which tensor
+                raise ValueError(f"{name}: {exc}") from None
         if unplaced:
             raise ValueError(
                 f"checkpoint tensors with no place in this {type(self).__name__}: {', '.join(unplaced[:8])}"
                 f"{' ...' if len(unplaced) > 8 else ''} (does config.json describe these weights?)"
             )
         return loaded
+
+    def _place(
+        self,
+        name: str,
+        tensor: torch.Tensor | CheckpointTensor,
+        params: dict[str, nn.Parameter],
+        loaded: set[str],
+        parts: dict[str, set[Any]],
+        unplaced: list[str],
+    ) -> None:
+        """One checkpoint tensor into the parameters it feeds (see load_weights)."""
+        for target in self._targets(name):
+            fused = next(((frag, new, sid) for frag, new, sid in STACKED_PARAMS if frag in target), None)
+            if fused is not None:
+                frag, new, shard_id = fused
+                target = target.replace(frag, new)
+                if target not in params:
+                    unplaced.append(name)
+                    continue
+                param = params[target]
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                parts.setdefault(target, set()).add(shard_id)
+                if parts[target] != FUSED_PARTS[new]:
+                    continue
+            elif target in params:
+                param = params[target]
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    copy_checked(param.data, tensor)
+                else:
+                    loader(param, tensor)
+            else:
+                unplaced.append(name)
+                continue
+            loaded.add(target)
 
     def _targets(self, name: str) -> list[str]:
         """Which local parameters a checkpoint tensor feeds ([] for other stages' layers)."""
@@ -374,7 +389,8 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("model.layers."):
             index = int(name.split(".")[2])
             start, end = self.layer_range
-            return [name] if start <= index < end else []
+            # Past the model's last layer it is no stage's: left unplaced, an error.
+            return [name] if start <= index < end or index >= self.num_layers else []
         if name == "lm_head.weight":
             return [name] if self.is_last_stage and not self.tie_word_embeddings else []
         if name == "model.embed_tokens.weight":

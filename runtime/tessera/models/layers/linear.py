@@ -106,12 +106,26 @@ class LinearBase(nn.Module):
         self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
 
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor | CheckpointTensor) -> None:
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor | CheckpointTensor) -> None:
+    """Copy a checkpoint tensor of exactly the parameter's shape (copy_ would broadcast)."""
     if param.shape != loaded.shape:
         raise ValueError(
             f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
         )
     param.copy_(materialize(loaded))
+
+
+def _copy_shard(
+    dest: torch.Tensor, loaded: torch.Tensor | CheckpointTensor, dim: int, index: int, whole: int
+) -> None:
+    """Copy shard ``index`` along ``dim`` of a checkpoint tensor that holds ``whole`` entries there
+    (what config.json implies): checked before cutting, so a larger tensor (another model's
+    layer) is refused, never cut to fit."""
+    expected = (*dest.shape[:dim], whole, *dest.shape[dim + 1 :])
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {expected}")
+    size = dest.shape[dim]
+    copy_checked(dest, loaded.narrow(dim, index * size, size))
 
 
 class ReplicatedLinear(LinearBase):
@@ -124,7 +138,7 @@ class ReplicatedLinear(LinearBase):
         self.create_weights((output_size, input_size), output_size if bias else None, params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        _copy_checked(param.data, loaded)
+        copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -157,8 +171,7 @@ class ColumnParallelLinear(LinearBase):
         self.create_weights((shard, input_size), shard if bias else None, params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = param.shape[0]
-        _copy_checked(param.data, loaded.narrow(0, self.tp_rank * shard, shard))
+        _copy_shard(param.data, loaded, 0, self.tp_rank, param.shape[0] * self.tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
@@ -202,7 +215,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ) -> None:
         shard = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        _copy_checked(param.data.narrow(0, offset, shard), loaded.narrow(0, self.tp_rank * shard, shard))
+        _copy_shard(param.data.narrow(0, offset, shard), loaded, 0, self.tp_rank, self.output_sizes[shard_id])
 
 
 class SiluGatedLinear(MergedColumnParallelLinear):
@@ -285,21 +298,26 @@ class QKVParallelLinear(ColumnParallelLinear):
             sequence_parallel=sequence_parallel,
         )
         self.q_size, self.kv_size = q_size, kv_size
+        self.total_q_size, self.total_kv_size = total_num_heads * head_dim, total_num_kv_heads * head_dim
 
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
     ) -> None:
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
         if shard_id == "q":
-            offset, size, shard_rank = 0, self.q_size, self.tp_rank
+            offset, size, shard_rank, whole = 0, self.q_size, self.tp_rank, self.total_q_size
         elif shard_id == "k":
-            offset, size = self.q_size, self.kv_size
-            shard_rank = self.tp_rank // self.num_kv_head_replicas
+            offset, size, shard_rank, whole = self.q_size, self.kv_size, kv_rank, self.total_kv_size
         elif shard_id == "v":
-            offset, size = self.q_size + self.kv_size, self.kv_size
-            shard_rank = self.tp_rank // self.num_kv_head_replicas
+            offset, size, shard_rank, whole = (
+                self.q_size + self.kv_size,
+                self.kv_size,
+                kv_rank,
+                self.total_kv_size,
+            )
         else:
             raise ValueError(f"unknown QKV shard {shard_id!r}")
-        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, shard_rank * size, size))
+        _copy_shard(param.data.narrow(0, offset, size), loaded, 0, shard_rank, whole)
 
 
 class RowParallelLinear(LinearBase):
@@ -335,11 +353,10 @@ class RowParallelLinear(LinearBase):
         )
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        shard = param.shape[1]
-        _copy_checked(param.data, loaded.narrow(1, self.tp_rank * shard, shard))
+        _copy_shard(param.data, loaded, 1, self.tp_rank, param.shape[1] * self.tp_size)
 
     def _load_bias(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        _copy_checked(param.data, loaded)
+        copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
