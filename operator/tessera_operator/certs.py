@@ -11,6 +11,8 @@ import ipaddress
 import subprocess
 from pathlib import Path
 
+SELF_SIGNED_DAYS = 365
+
 
 def self_signed(directory: Path, host: str, extra: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """Write (cert.pem, key.pem) valid for `host` (and `extra` names); the cert is its own CA."""
@@ -24,7 +26,7 @@ def self_signed(directory: Path, host: str, extra: tuple[str, ...] = ()) -> tupl
         except ValueError:
             sans.append(f"DNS:{name}")
     command = [
-        "openssl", "req", "-x509", "-nodes", "-days", "365",
+        "openssl", "req", "-x509", "-nodes", "-days", str(SELF_SIGNED_DAYS),
         "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
         "-subj", "/CN=tessera-webhook",  # a CN holds 64 characters; the names live in the SANs
         "-addext", "subjectAltName=" + ",".join(dict.fromkeys(sans)),

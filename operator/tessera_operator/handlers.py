@@ -37,6 +37,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     tasks = []
     if certfile is not None:
         tasks.append(asyncio.create_task(webhook.restart_when_changed(certfile), name="tessera-cert"))
+    elif CONFIG.webhook_port is not None:  # serving a self-signed pair made at this start
+        tasks.append(asyncio.create_task(webhook.restart_to_renew(), name="tessera-cert"))
     reconciler = Reconciler(
         client,
         resync_seconds=CONFIG.resync_seconds,

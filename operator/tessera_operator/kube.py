@@ -12,7 +12,7 @@ import asyncio
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,16 @@ import aiohttp
 SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 RETRYABLE = {429, 500, 502, 503, 504}
 USER_AGENT = f"tessera-operator/{version('tessera')}"
+
+
+TOKEN_RELOAD_S = 60.0
+
+
+def _bearer_token(cfg: Any) -> str | None:
+    """The token a kubernetes-client Configuration holds, without its scheme (the in-cluster
+    loader writes "bearer <token>", kubeconfig loaders "Bearer <token>")."""
+    auth = str(cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken") or "").strip()
+    return (auth[len("bearer ") :] if auth.lower().startswith("bearer ") else auth).strip() or None
 
 
 class ApiError(Exception):
@@ -38,13 +48,15 @@ class KubeClient:
         server: str,
         token: str | None,
         ssl_context: ssl.SSLContext | bool,
-        token_file: Path | None = None,
+        reload_token: Callable[[], str | None] | None = None,
         concurrency: int = 64,
     ) -> None:
         self.server = server.rstrip("/")
         self._token = token
-        self._token_file = token_file
-        self._token_read = 0.0
+        # Tokens expire (bound ServiceAccount tokens rotate, exec plugins' last minutes): the
+        # current one is fetched again every TOKEN_RELOAD_S.
+        self._reload_token = reload_token
+        self._token_read = time.monotonic()
         self._ssl = ssl_context
         self._concurrency = concurrency
         self._session: aiohttp.ClientSession | None = None
@@ -59,14 +71,22 @@ class KubeClient:
         from kubernetes import config as k8s_config
 
         cfg = k8s_client.Configuration()
-        token_file = None
         try:
             k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+            hook = cfg.refresh_api_key_hook  # set for exec plugins and OIDC: tokens that expire
+
+            def reload_token() -> str | None:
+                if hook is not None:
+                    hook(cfg)
+                return _bearer_token(cfg)
+
         except k8s_config.ConfigException:
             k8s_config.load_incluster_config(client_configuration=cfg)
-            token_file = SA_TOKEN  # bound tokens rotate: re-read the file now and then
-        auth = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken") or ""
-        token = auth.removeprefix("Bearer ").strip() or None
+
+            def reload_token() -> str | None:
+                return SA_TOKEN.read_text().strip() or None
+
+        token = _bearer_token(cfg)
         context: ssl.SSLContext | bool
         if cfg.verify_ssl:
             context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
@@ -74,11 +94,11 @@ class KubeClient:
                 context.load_cert_chain(cfg.cert_file, cfg.key_file)
         else:
             context = False
-        return cls(cfg.host, token, context, token_file=token_file, concurrency=concurrency)
+        return cls(cfg.host, token, context, reload_token=reload_token, concurrency=concurrency)
 
     def _headers(self) -> dict[str, str]:
-        if self._token_file is not None and time.monotonic() - self._token_read > 60:
-            self._token = self._token_file.read_text().strip()
+        if self._reload_token is not None and time.monotonic() - self._token_read > TOKEN_RELOAD_S:
+            self._token = self._reload_token()
             self._token_read = time.monotonic()
         # The API server names this client's writes in managedFields (and audit logs) after it.
         headers = {"User-Agent": USER_AGENT}

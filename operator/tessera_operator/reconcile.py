@@ -29,14 +29,13 @@ from tessera_operator.observe import Observation, controlled_by, is_orphan, is_o
 from tessera_operator.planner import Event, plan
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
-from tessera_operator.status import build_status, degraded_status, keep_degraded, merge_patch
+from tessera_operator.status import build_status, degraded_status, intent_status, merge_patch
 from tessera_operator.timeutil import to_rfc3339
 from tessera_operator.validation import capped_spec, validate_object, validate_spec
 
 log = logging.getLogger("tessera_operator.reconcile")
 COMPONENT = "tessera-operator"
 FAILED_CREATE, FAILED_DELETE, FAILED_SCALE = "FailedCreate", "FailedDelete", "FailedScale"
-WRITE_FAILURES = frozenset({FAILED_CREATE, FAILED_DELETE})
 EVENT_COUNTS_KEPT = 4096
 
 
@@ -152,7 +151,7 @@ class Reconciler:
             # Intent first: a backoff deadline, an Updating mark or a group recreated after its
             # backoff must survive a crash or a failed write mid-pass (or the next pass would
             # take the recreated group for one still backing off, and tear it down).
-            intent = keep_degraded(status, previous, WRITE_FAILURES)
+            intent = intent_status(status, previous)
             await self.write_status(ic_path, previous, intent)
         refused = await self.refused_writes(writes)
         if refused:

@@ -18,7 +18,9 @@ from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 def set_condition(conditions: list[Condition], new: Condition, now: float) -> list[Condition]:
     """Replace the condition of the same type; keep its transition time when the status is unchanged."""
     old = next((c for c in conditions if c.type == new.type), None)
-    transition = old.last_transition_time if old is not None and old.status == new.status else to_rfc3339(now)
+    unchanged = old is not None and old.status == new.status and old.last_transition_time
+    # The CRD's default status has a condition without a time: it gets one at its first pass.
+    transition = old.last_transition_time if unchanged and old is not None else to_rfc3339(now)
     updated = new.model_copy(update={"last_transition_time": transition})
     return [c for c in conditions if c.type != new.type] + [updated]
 
@@ -214,19 +216,17 @@ def degraded_status(
     )
 
 
-def keep_degraded(
-    status: InferenceClusterStatus, previous: InferenceClusterStatus, reasons: frozenset[str]
-) -> InferenceClusterStatus:
-    """`status` with the previous Degraded (and the Stalled and Reconciling it implied) when it
-    had one of `reasons`.
+def intent_status(status: InferenceClusterStatus, previous: InferenceClusterStatus) -> InferenceClusterStatus:
+    """What a pass writes before its pod writes: `status`'s groups (backoff deadlines, Updating
+    marks, groups recreated after their backoff must survive a crash or a failed write mid-pass)
+    with `previous`'s conditions and observedGeneration, which the end of the pass decides.
 
-    An intent write made before a pass's writes must not clear a failure those writes may
-    report again at the end of the pass (the condition would flap, with an Event each pass).
+    Written early, a condition could flap: Degraded cleared, then set again by a refused write
+    with its old transition time, and kstatus readers would see a generation observed too soon.
     """
-    old = next((c for c in previous.conditions if c.type == "Degraded" and c.reason in reasons), None)
-    if old is None or old.status != "True":
-        return status
-    return status.model_copy(update={"conditions": _with_previous_failure(status, previous)})
+    return status.model_copy(
+        update={"conditions": list(previous.conditions), "observed_generation": previous.observed_generation}
+    )
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

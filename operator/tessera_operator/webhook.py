@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import aiohttp
 import kopf
 
 from tessera_operator import api
-from tessera_operator.certs import self_signed
+from tessera_operator.certs import SELF_SIGNED_DAYS, self_signed
 from tessera_operator.config import CONFIG, OperatorConfig
 from tessera_operator.kube import ApiError, KubeClient
 from tessera_operator.validation import validate_object
@@ -200,7 +201,7 @@ class ManagedWebhookServer:
                     return False  # nothing to remove (e.g. `helm uninstall` deleted it first)
                 body = {"metadata": {"name": self.configuration}, "webhooks": hooks}
                 await self.client.create(CONFIGURATIONS, body)
-        except ApiError as exc:
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:  # e.g. a control-plane upgrade
             if not self.failing:  # said once, not at every write again
                 log.error(
                     "cannot write ValidatingWebhookConfiguration %s (%s): no admission webhook; "
@@ -216,6 +217,21 @@ class ManagedWebhookServer:
         return True
 
 
+# An UPDATE review holds two objects of up to 1.5 MiB each (etcd's limit); an InferenceCluster
+# carries its spec about three times (the spec, status.appliedSpec, kubectl's last-applied).
+MAX_REVIEW_BYTES = 4 * 1024 * 1024
+
+
+class LargeReviewWebhookServer(kopf.WebhookServer):
+    """kopf's webhook server with room for any review the API server sends: aiohttp's default
+    1 MiB body limit answered 413 to the UPDATE of a valid ~180 KiB spec, which `Fail` then
+    refused (a label change, a finalizer's removal) and `Ignore` let through unjudged."""
+
+    @staticmethod
+    async def _serve(fn: Any, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return await kopf.WebhookServer._serve(fn, request.clone(client_max_size=MAX_REVIEW_BYTES))
+
+
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: KubeClient) -> Path | None:
     """Serve the webhook when a port is configured (otherwise the reconciler still refuses bad specs).
     Returns the mounted serving certificate, if one is used (see `restart_when_changed`)."""
@@ -229,7 +245,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: K
     if not certfile.exists():
         certfile, pkeyfile = self_signed(directory, host)
         mounted = None
-    server = kopf.WebhookServer(
+    server = LargeReviewWebhookServer(
         addr=config.webhook_addr,
         port=config.webhook_port,
         host=host,
@@ -262,6 +278,19 @@ def _digest(path: Path) -> str | None:
 
 def _stop_gracefully() -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # kopf stops as on any SIGTERM: the webhook is deregistered
+
+
+# A self-signed pair is made at each start: restarting a week before it expires makes a new one
+# (and the managed configuration gets its CA), so the API server never meets an expired one.
+SELF_SIGNED_RENEWAL_SECONDS = (SELF_SIGNED_DAYS - 7) * 86400.0
+
+
+async def restart_to_renew(
+    after_s: float = SELF_SIGNED_RENEWAL_SECONDS, stop: Callable[[], None] = _stop_gracefully
+) -> None:
+    await asyncio.sleep(after_s)
+    log.warning("the webhook's self-signed certificate expires in a week: restarting to make a new one")
+    stop()
 
 
 async def restart_when_changed(

@@ -18,6 +18,7 @@ from tessera_operator.timeutil import capped_backoff
 log = logging.getLogger("tessera_operator.workqueue")
 
 Key = Hashable
+LAST_DONE_PRUNE_SIZE = 1024
 Handler = Callable[[Key], Awaitable[float | None]]
 
 
@@ -68,6 +69,14 @@ class WorkQueue:
         elif key not in self._queued:
             self._queued.add(key)
             self._queue.put_nowait(key)
+
+    def _record_done(self, key: Key) -> None:
+        """When `key`'s pass ended, for min_interval. Only the last min_interval's entries matter:
+        older ones go once there are many (a deleted cluster's last pass ends after it is forgotten)."""
+        now = asyncio.get_running_loop().time()
+        self._last_done[key] = now
+        if len(self._last_done) > LAST_DONE_PRUNE_SIZE:
+            self._last_done = {k: t for k, t in self._last_done.items() if now - t < self._min_interval}
 
     def forget(self, key: Key) -> None:
         timer = self._timers.pop(key, None)
@@ -120,7 +129,7 @@ class WorkQueue:
                     timer = self._timers.pop(key, None)
                     if timer is not None:
                         timer.cancel()
-                self._last_done[key] = asyncio.get_running_loop().time()
+                self._record_done(key)
                 if key in self._dirty:
                     self._dirty.discard(key)
                     self.add(key)

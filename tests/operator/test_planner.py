@@ -436,3 +436,18 @@ def test_a_group_whose_pods_are_stuck_terminating_on_a_dead_node_becomes_stalled
         assert sim.condition("Degraded").reason == reason, minutes
     assert "to terminate" in (sim.status.groups[1].start_problem or "")
     assert sim.condition("Stalled").status == "True"
+
+
+def test_a_condition_the_crd_defaulted_without_a_time_gets_one_and_then_keeps_it() -> None:
+    from tessera_operator.api import Condition
+    from tessera_operator.status import set_condition
+
+    defaulted = [Condition(type="Reconciling", status="True", reason="AwaitingOperator")]
+    first = set_condition(
+        defaulted, Condition(type="Reconciling", status="True", reason="GroupsStarting"), 1000.0
+    )
+    assert first[0].last_transition_time == to_rfc3339(1000.0)
+    again = set_condition(
+        first, Condition(type="Reconciling", status="True", reason="GroupsStarting"), 2000.0
+    )
+    assert again[0].last_transition_time == to_rfc3339(1000.0)  # unchanged status: the same time

@@ -494,3 +494,38 @@ async def test_a_status_this_operator_cannot_read_is_rebuilt_not_a_failure_every
     reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
     await reconciler.reconcile("ns", "demo")
     assert group_phase(client) == "Pending" and len([p for p in client.objects if p.startswith(PODS)]) == 4
+
+
+async def test_degraded_never_reads_false_mid_pass_while_a_recreated_group_is_refused() -> None:
+    """A group backing off (Degraded=True) is recreated and its pods refused (a quota): the write
+    made before the pod writes must not clear Degraded for the end of the pass to set it again."""
+    client = fake_with_cluster(replicas=1)
+    now = [1000.0]
+    reconciler = Reconciler(client, clock=lambda: now[0])  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    run_all(client)
+    now[0] += 5
+    await reconciler.reconcile("ns", "demo")
+    now[0] += 5
+    client.objects[PODS + "demo-g0-s1-t1"]["status"] = {"phase": "Failed", "reason": "Error"}
+    await reconciler.reconcile("ns", "demo")  # the group is torn down and backs off
+
+    def degraded() -> dict[str, Any]:
+        return next(c for c in client.objects[IC_PATH]["status"]["conditions"] if c["type"] == "Degraded")
+
+    assert degraded()["status"] == "True"
+    seen: list[str] = []
+    patch = client.merge_patch
+
+    async def recording(path: str, body: Any) -> Any:
+        result = await patch(path, body)
+        if path.endswith("/status"):
+            seen.append(degraded()["status"])
+        return result
+
+    client.merge_patch = recording  # type: ignore[method-assign]
+    client.refuse_pods = ApiError(403, {"message": "exceeded quota"})
+    now[0] += 11  # past the backoff: the group is recreated, and refused
+    await reconciler.reconcile("ns", "demo")
+    assert len(seen) >= 2 and set(seen) == {"True"}, seen
+    assert degraded()["reason"] == "FailedCreate"

@@ -2,6 +2,7 @@ import asyncio
 import copy
 from typing import Any
 
+import aiohttp
 import kopf
 import pytest
 
@@ -175,7 +176,15 @@ async def test_the_managed_configuration_is_written_again_while_the_operator_run
     """Replaced or recreated meanwhile (Argo CD's Replace=true), it would stay without webhooks."""
     monkeypatch.setattr(webhook, "REASSERT_SECONDS", 0.01)
     caplog.set_level("INFO", logger=webhook.log.name)
-    answers: list[Exception | None] = [None, webhook.ApiError(403, {"message": "no"}), None, None]
+    answers: list[Exception | None] = [
+        None,
+        webhook.ApiError(403, {"message": "no"}),
+        None,
+        aiohttp.ClientConnectionError("Cannot connect to host"),  # a control-plane upgrade
+        TimeoutError(),
+        None,
+        None,
+    ]
     writes: list[dict[str, Any]] = []
 
     class Client:
@@ -189,13 +198,17 @@ async def test_the_managed_configuration_is_written_again_while_the_operator_run
     hooks = webhook.webhooks({"url": "https://op:9443"})
     server = webhook.ManagedWebhookServer(None, "cfg", Client())  # type: ignore[arg-type]
     keeper = asyncio.create_task(server.keep_current(hooks))
-    while len(writes) < 5:
+    while len(writes) < 8:
         await asyncio.sleep(0.01)
+    assert not keeper.done()  # no failure ends it: the next write may succeed
     keeper.cancel()
     assert all(body == {"webhooks": hooks} for body in writes)
-    # A refused write is logged once, its recovery once, the unchanged writes not at all.
+    # A failed write is logged once, its recovery once, the unchanged writes not at all.
     messages = [r.getMessage() for r in caplog.records if "ValidatingWebhookConfiguration" in r.getMessage()]
-    assert len(messages) == 2 and "cannot write" in messages[0] and "1 webhook(s)" in messages[1]
+    assert [("cannot write" in m, "1 webhook(s)" in m) for m in messages] == [
+        (True, False),
+        (False, True),
+    ] * 2
 
 
 def test_a_long_service_name_still_gets_a_certificate(tmp_path: Any) -> None:
@@ -229,3 +242,79 @@ async def test_a_renewed_serving_certificate_restarts_the_operator_to_serve_it(t
     certfile.write_text("renewed")
     await asyncio.wait_for(stopped.wait(), timeout=5)
     await asyncio.wait_for(watcher, timeout=5)
+
+
+async def test_a_review_of_two_large_valid_objects_is_answered(tmp_path: Any) -> None:
+    """An UPDATE review carries the object and the old one, each with its spec about three times
+    (spec, status.appliedSpec, kubectl's last-applied): a valid 180 KiB spec makes it over 1 MiB,
+    which aiohttp refused by default with a 413 before any judgement."""
+    import json
+    import ssl
+
+    from tessera.ports import free_port
+    from tessera_operator.certs import self_signed
+
+    spec = {**VALID, "template": {"env": [{"name": f"CFG_{i}", "value": "x" * 30_000} for i in range(6)]}}
+    applied = json.dumps({"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "spec": spec})
+    stored = {
+        "metadata": {
+            "name": "demo",
+            "namespace": "ns",
+            "annotations": {"kubectl.kubernetes.io/last-applied-configuration": applied},
+        },
+        "spec": spec,
+        "status": {"appliedSpec": spec},
+    }
+    labelled = copy.deepcopy(stored)
+    labelled["metadata"]["labels"] = {"team": "a"}
+    review = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "r1",
+            "operation": "UPDATE",
+            "userInfo": {"username": "u"},
+            "resource": {"group": api.GROUP, "version": api.VERSION, "resource": api.PLURAL},
+            "object": labelled,
+            "oldObject": stored,
+        },
+    }
+    body = json.dumps(review).encode()
+    assert len(body) > 1024**2
+    cert, key = self_signed(tmp_path, "localhost")
+    port = free_port()
+    server = webhook.LargeReviewWebhookServer(
+        addr="127.0.0.1", port=port, host="localhost", certfile=cert, pkeyfile=key, cafile=cert
+    )
+    judged: list[str] = []
+
+    async def allow(request: Any, **_: Any) -> Any:
+        judged.append(request["request"]["uid"])
+        return {
+            "apiVersion": request["apiVersion"],
+            "kind": "AdmissionReview",
+            "response": {"uid": "r1", "allowed": True},
+        }
+
+    serving = server(allow)
+    await serving.__anext__()
+    try:
+        async with aiohttp.ClientSession() as session:
+            context = ssl.create_default_context(cafile=str(cert))
+            url = f"https://localhost:{port}/validate"
+            async with session.post(
+                url, data=body, ssl=context, headers={"Content-Type": "application/json"}
+            ) as r:
+                assert r.status == 200, await r.text()
+    finally:
+        await serving.aclose()
+    assert judged == ["r1"]
+
+
+async def test_a_self_signed_serving_certificate_is_renewed_by_a_restart_before_it_expires() -> None:
+    from tessera_operator.certs import SELF_SIGNED_DAYS
+
+    assert webhook.SELF_SIGNED_RENEWAL_SECONDS < SELF_SIGNED_DAYS * 86400
+    stopped = asyncio.Event()
+    await asyncio.wait_for(webhook.restart_to_renew(0.01, stopped.set), timeout=5)
+    assert stopped.is_set()

@@ -200,3 +200,24 @@ async def test_min_interval_does_not_delay_a_key_that_has_been_quiet_long_enough
         queue.add("k")
         await clock.settle()
     assert passes == [1000.0, 1000.7] and clock.delays == []
+
+
+async def test_deleted_keys_leave_no_trace_of_their_last_pass() -> None:
+    """A deleted cluster's last pass ends after its DELETED event forgot it; thousands of
+    clusters come and go over an operator's life, and their entries must not pile up."""
+
+    async def handler(key: object) -> float | None:
+        return None
+
+    with fake_clock() as clock:
+        queue = WorkQueue(handler, workers=4, min_interval=1.0)
+        queue.start()
+        for i in range(3000):
+            queue.add(f"gone-{i}")
+            await clock.settle()
+            await clock.advance(0.01)
+        await clock.advance(5.0)
+        queue.add("live")
+        await clock.settle()
+        assert len(queue._last_done) <= 1024 + 1
+        await queue.stop()
