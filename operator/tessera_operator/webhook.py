@@ -18,10 +18,12 @@ create it (dev setups with broad rights) and otherwise logs why no webhook is re
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import AsyncIterator, Callable
@@ -239,7 +241,11 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: K
         return None
     host = config.webhook_host or config.webhook_addr
     # A mounted TLS Secret (tls.crt/tls.key) wins; otherwise a self-signed pair (dev mode).
-    directory = Path(config.webhook_cert_dir or tempfile.mkdtemp(prefix="tessera-webhook-"))
+    if config.webhook_cert_dir:
+        directory = Path(config.webhook_cert_dir)
+    else:  # the self-signed pair's own folder, gone with the process
+        directory = Path(tempfile.mkdtemp(prefix="tessera-webhook-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
     certfile, pkeyfile = directory / "tls.crt", directory / "tls.key"
     mounted: Path | None = certfile
     if not certfile.exists():

@@ -76,6 +76,8 @@ time.sleep(600)
 def test_ranks_of_a_process_killed_while_they_start_exit_at_once(tiny_llama_dir: Path) -> None:
     """Built on a thread, the ranks get no parent-death signal; killed before its ranks were ready,
     the process could not tell them to go, and they must not wait the startup timeout for it."""
+    pattern = os.path.join(tempfile.gettempdir(), "tessera-ranks-*")
+    before = set(glob.glob(pattern))
     parent = subprocess.Popen([sys.executable, "-c", BUILD_ON_A_THREAD, str(tiny_llama_dir)])
     try:
         deadline = time.monotonic() + 60
@@ -94,3 +96,4 @@ def test_ranks_of_a_process_killed_while_they_start_exit_at_once(tiny_llama_dir:
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     assert not orphans, "ranks outlived the process that started them"
+    assert set(glob.glob(pattern)) == before  # the last rank out removed their socket folder

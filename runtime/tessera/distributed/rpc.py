@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -192,6 +193,7 @@ class WorkerLink:
 
     def __init__(self, addr: str, rank: int, parent_pid: int | None = None) -> None:
         self.rank = rank
+        self._addr = addr
         self._parent_pid = parent_pid
         self.inbox: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self._zmq = zmq.Context()
@@ -261,6 +263,8 @@ class WorkerLink:
                 os._exit(1)
             if self._parent_pid is not None and os.getppid() != self._parent_pid:
                 logger.error("rank %d: the process that started it is gone; exiting", self.rank)
+                if self._addr.startswith("ipc://"):  # its socket folder: nobody else is left to remove it
+                    shutil.rmtree(os.path.dirname(self._addr.removeprefix("ipc://")), ignore_errors=True)
                 os._exit(1)
         # What send() queued just before close() still goes out: a failing rank's last FATAL.
         while self._inbox_sock.poll(0):

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Any
 
@@ -66,6 +67,8 @@ class DistributedExecutor(Executor):
     ) -> None:
         # Local ranks reach the leader over IPC in a folder of its own, removed at shutdown.
         self.ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
+        # Removed at shutdown, or at the latest when this object goes or the interpreter exits.
+        weakref.finalize(self, shutil.rmtree, self.ipc_dir, ignore_errors=True)
         local_rpc_addr = f"ipc://{self.ipc_dir}/rpc"
         bind_addrs = [local_rpc_addr, *extra_bind_addrs]
         self.config = config
