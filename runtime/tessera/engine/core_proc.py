@@ -23,7 +23,6 @@ import queue
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -43,6 +42,7 @@ from tessera.engine.messages import (
     EngineCoreRequest,
 )
 from tessera.worker import cpu_binding
+from tessera.worker.worker_proc import RANKS_IPC_PARENT_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -300,9 +300,9 @@ def run_engine_core(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine-core] %(message)s")
     orphaned = [os.path.dirname(input_addr.removeprefix("ipc://"))] if input_addr.startswith("ipc://") else []
     if orphaned:
-        # This process's temporary folders (its ranks' IPC sockets) go inside the frontend's,
-        # which the frontend removes even when this process is killed outright.
-        tempfile.tempdir = orphaned[0]
+        # Its ranks' IPC sockets go inside the frontend's folder, which the frontend removes even
+        # when this process is killed outright.
+        os.environ[RANKS_IPC_PARENT_ENV] = orphaned[0]
     _exit_when_parent_dies(orphaned)
     shutdown_requested = threading.Event()
 

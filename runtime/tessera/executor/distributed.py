@@ -41,6 +41,7 @@ from tessera.worker.worker_proc import (
     LOCAL_WORLD_SIZE_ENV,
     PARENT_PID_ENV,
     RANK_STARTUP_TIMEOUT_S,
+    RANKS_IPC_PARENT_ENV,
     RPC_ADDR_ENV,
 )
 
@@ -66,7 +67,7 @@ class DistributedExecutor(Executor):
         startup_timeout_s: float,
     ) -> None:
         # Local ranks reach the leader over IPC in a folder of its own, removed at shutdown.
-        self.ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-")
+        self.ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-", dir=os.environ.get(RANKS_IPC_PARENT_ENV))
         # Removed at shutdown, or at the latest when this object goes or the interpreter exits.
         weakref.finalize(self, shutil.rmtree, self.ipc_dir, ignore_errors=True)
         local_rpc_addr = f"ipc://{self.ipc_dir}/rpc"

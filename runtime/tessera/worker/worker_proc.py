@@ -26,6 +26,8 @@ LOCAL_RANK_ENV = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_ENV = "TESSERA_LOCAL_WORLD_SIZE"
 # The pid of the process that started this rank: once it is gone (getppid() differs), so is the rank.
 PARENT_PID_ENV = "TESSERA_PARENT_PID"
+# Where a leader makes its local ranks' socket folder (default: the temporary folder).
+RANKS_IPC_PARENT_ENV = "TESSERA_RANKS_IPC_PARENT"
 # How long a leader waits for its ranks to join and load, and a rank for its leader: pods may
 # still be scheduled, pulling images or converting the model. A rank pod may start long before
 # its leader; past this it gives up and exits 1.
