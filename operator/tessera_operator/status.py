@@ -18,9 +18,9 @@ from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 def set_condition(conditions: list[Condition], new: Condition, now: float) -> list[Condition]:
     """Replace the condition of the same type; keep its transition time when the status is unchanged."""
     old = next((c for c in conditions if c.type == new.type), None)
-    unchanged = old is not None and old.status == new.status and old.last_transition_time
+    kept = old.last_transition_time if old is not None and old.status == new.status else None
     # The CRD's default status has a condition without a time: it gets one at its first pass.
-    transition = old.last_transition_time if unchanged and old is not None else to_rfc3339(now)
+    transition = kept or to_rfc3339(now)
     updated = new.model_copy(update={"last_transition_time": transition})
     return [c for c in conditions if c.type != new.type] + [updated]
 

@@ -68,8 +68,9 @@ class DistributedExecutor(Executor):
     ) -> None:
         # Local ranks reach the leader over IPC in a folder of its own, removed at shutdown.
         self.ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-", dir=os.environ.get(RANKS_IPC_PARENT_ENV))
-        # Removed at shutdown, or at the latest when this object goes or the interpreter exits.
-        weakref.finalize(self, shutil.rmtree, self.ipc_dir, ignore_errors=True)
+        # Removed at shutdown (or a failed start), at the latest when this object goes or the
+        # interpreter exits; calling it again does nothing.
+        self._remove_ipc_dir = weakref.finalize(self, shutil.rmtree, self.ipc_dir, ignore_errors=True)
         local_rpc_addr = f"ipc://{self.ipc_dir}/rpc"
         bind_addrs = [local_rpc_addr, *extra_bind_addrs]
         self.config = config
@@ -90,7 +91,7 @@ class DistributedExecutor(Executor):
         try:
             self.channel = rpc.LeaderChannel(bind_addrs, self.world_size, self._on_message, self._fail)
         except BaseException:  # e.g. the RPC port taken: nothing else holds the folder yet
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self._remove_ipc_dir()
             raise
         self.channel.start()  # only now: a pod rank's HELLO may be waiting, and it needs self.channel
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -269,7 +270,7 @@ class DistributedExecutor(Executor):
                 proc.kill()
                 proc.wait()
         self.channel.close()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        self._remove_ipc_dir()
 
 
 class MultiprocExecutor(DistributedExecutor):

@@ -303,21 +303,14 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
     ) -> None:
-        kv_rank = self.tp_rank // self.num_kv_head_replicas
         if shard_id == "q":
-            offset, size, shard_rank, whole = 0, self.q_size, self.tp_rank, self.total_q_size
-        elif shard_id == "k":
-            offset, size, shard_rank, whole = self.q_size, self.kv_size, kv_rank, self.total_kv_size
-        elif shard_id == "v":
-            offset, size, shard_rank, whole = (
-                self.q_size + self.kv_size,
-                self.kv_size,
-                kv_rank,
-                self.total_kv_size,
-            )
+            dest = param.data.narrow(0, 0, self.q_size)
+            _copy_shard(dest, loaded, 0, self.tp_rank, self.total_q_size)
+        elif shard_id in ("k", "v"):
+            dest = param.data.narrow(0, self.q_size + (self.kv_size if shard_id == "v" else 0), self.kv_size)
+            _copy_shard(dest, loaded, 0, self.tp_rank // self.num_kv_head_replicas, self.total_kv_size)
         else:
             raise ValueError(f"unknown QKV shard {shard_id!r}")
-        _copy_shard(param.data.narrow(0, offset, size), loaded, 0, shard_rank, whole)
 
 
 class RowParallelLinear(LinearBase):
