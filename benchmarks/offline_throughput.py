@@ -477,7 +477,10 @@ class VllmRunner:
         if "elapsed_s" not in answer or "outputs" not in answer:
             raise self._failure(f"expected a run result, got {str(answer)[:200]}")
         outputs: list[list[int]] = answer["outputs"]
-        check_lengths("vLLM", self.requests, outputs)
+        try:
+            check_lengths("vLLM", self.requests, outputs)
+        except RuntimeError as error:  # the peer broke the workload: reported, the run goes on
+            raise self._failure(str(error)) from error
         name = f"vLLM CPU {SHORT_DTYPE[self.dtype]}"
         return engine_result(name, answer["elapsed_s"], self.requests, self.flop_model), outputs
 
@@ -674,7 +677,9 @@ def main() -> None:
     if not peer.available:
         print(f"!!! vLLM CPU is ABSENT from this run: {peer.error}", flush=True)
 
-    peaks = {dtype: measure_matmul_peak(getattr(torch, dtype)) for dtype in args.dtypes}
+    # transformers always runs in fp32, so its fraction of peak needs the fp32 peak too.
+    peak_dtypes = [*args.dtypes, *([] if args.skip_transformers or "float32" in args.dtypes else ["float32"])]
+    peaks = {dtype: measure_matmul_peak(getattr(torch, dtype)) for dtype in peak_dtypes}
     for dtype, peak in peaks.items():
         print(
             f"{dtype} matmul peak at {threads} threads: {peak['peak_flops'] / 1e9:.1f} GFLOP/s ({peak['best_form']})",
@@ -748,9 +753,7 @@ def main() -> None:
         by_round[dtype] = runs
 
     def summary(run: RunResult, dtype: str) -> dict[str, Any]:
-        return run.summary(
-            peaks[dtype]["peak_flops"] if dtype in peaks else peaks[args.dtypes[0]]["peak_flops"]
-        )
+        return run.summary(peaks[dtype]["peak_flops"])
 
     def done_rounds(dtype: str, engine: str) -> list[tuple[int, Run]]:
         return [(i, run) for i, run in enumerate(by_round[dtype].get(engine, [])) if run is not None]

@@ -7,7 +7,8 @@ from `e2e/`), with the operator as a subprocess (`tessera-operator`), and measur
   * 100 such clusters applied at once (800 pods); target: under 30 s.
 
 Pod creations are timed from a watch on the API server (the moment each ADDED event
-arrives), not by polling. Writes benchmarks/results/operator_pod_creation.json + .png.
+arrives), not by polling. Writes benchmarks/results/operator_pod_creation.json + .png
+(tagged by TESSERA_BENCH_TAG, like every benchmark here).
 
     .venv/bin/python benchmarks/operator_pod_creation.py [--clusters 100]
 """
@@ -17,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import ssl
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import environment_info, new_figure, save_figure, write_json  # noqa: E402
+
 from e2e.local_cluster import LocalCluster  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
+NAME = "operator_pod_creation"
 OPERATOR = Path(sys.executable).parent / "tessera-operator"
 PODS_PER_CLUSTER = 8  # 2 replicas x 2 stages x 2 TP ranks
 
@@ -132,13 +133,9 @@ def measure(cluster: LocalCluster, ns: str, count: int, kubectls: int, timeout: 
     }
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+def plot(results: dict[str, Any]) -> Path:
+    fig, axes = new_figure(width=7.0, height=4.2)
+    ax = axes[0][0]
     for run in results["runs"]:
         curve = run["creation_curve"]
         ax.step(
@@ -153,8 +150,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_title("tessera-operator: pod creation on a genuine kube-apiserver (2 cores)")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return save_figure(NAME, fig)
 
 
 def main() -> None:
@@ -165,7 +161,6 @@ def main() -> None:
     parser.add_argument("--kubectls", type=int, default=10, help="parallel kubectl processes in the last run")
     parser.add_argument("--workers", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=96)
-    parser.add_argument("--out", type=Path, default=RESULTS / "operator_pod_creation.json")
     args = parser.parse_args()
 
     with LocalCluster() as cluster:
@@ -207,19 +202,16 @@ def main() -> None:
             log.close()
 
     results: dict[str, Any] = {
-        "benchmark": "operator_pod_creation",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "platform": platform.platform()},
+        "benchmark": NAME,
         "kubernetes": "kube-apiserver v1.20.2 (Debian source build), etcd 3.4, loopback",
         "operator": {"workers": args.workers, "concurrency": args.concurrency},
         "target": "800 pods created in < 30 s",
         "note": "a single kubectl creates objects one by one (its own client is the limit); the parallel run "
         "splits the same manifests over several kubectl processes",
         "runs": runs,
+        "environment": environment_info(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out.with_suffix(".png"))
+    print(f"wrote {write_json(NAME, results)} and {plot(results)}")
     for run in results["runs"]:
         print(
             f"{run['clusters']:>4} cluster(s), {run['pods']:>4} pods, {run['kubectl_processes']:>2} kubectl: "

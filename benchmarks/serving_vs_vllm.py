@@ -120,6 +120,21 @@ def scenario(base_url: str, server_pid: int, requests: list[BenchRequest], rate:
     return summary
 
 
+def problem_note(summary: dict[str, Any]) -> str:
+    """' !!! 900/1024 tokens generated, 2 requests failed' for a pass that fell short, else ''."""
+    if "problem" not in summary:
+        return ""
+    return f" !!! {summary['problem']}, {summary['failed_requests']} requests failed"
+
+
+def paired_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> float | None:
+    """Tessera / vLLM output throughput of two passes over one workload; None unless both
+    generated every token (a server that dropped requests is no speed to compare)."""
+    if "problem" in ours or "problem" in theirs:
+        return None
+    return float(ours["output_throughput"] / theirs["output_throughput"])
+
+
 def start_server(
     stack: contextlib.ExitStack,
     make_command: Callable[[int], tuple[list[str], dict[str, str]]],
@@ -144,7 +159,7 @@ def plot(results: dict[str, dict[str, dict[str, Any]]]) -> Path:
         ax = axes[0][index]
         width = 0.8 / max(len(scenarios), 1)
         for offset, scenario in enumerate(scenarios):
-            values = [results[n].get(scenario, {}).get(metric, 0.0) for n in names]
+            values = [results[n].get(scenario, {}).get(metric) or 0.0 for n in names]
             ax.bar([i + offset * width for i in range(len(names))], values, width=width, label=scenario)
         ax.set_xticks([i + width * (len(scenarios) - 1) / 2 for i in range(len(names))], names, rotation=30)
         ax.set_title(metric.replace("_", " "))
@@ -231,12 +246,15 @@ def main() -> None:
                     by_round[name].append(summary)
                     print(
                         f"    round {index}: {name} saturation {summary['output_throughput']:.1f} output tok/s"
-                        f" (CPU s: {summary['cpu_s']})",
+                        f" (CPU s: {summary['cpu_s']}){problem_note(summary)}",
                         flush=True,
                     )
                 if ours in entry and theirs in entry:
-                    entry["ratio"] = entry[ours]["output_throughput"] / entry[theirs]["output_throughput"]
-                    print(f"    round {index}: Tessera / vLLM {entry['ratio']:.2f}x", flush=True)
+                    entry["ratio"] = paired_ratio(entry[ours], entry[theirs])
+                    shown = (
+                        "none (a server fell short)" if entry["ratio"] is None else f"{entry['ratio']:.2f}x"
+                    )
+                    print(f"    round {index}: Tessera / vLLM {shown}", flush=True)
                 saturation_rounds[dtype].append(entry)
             for name, base_url in urls.items():
                 median_rounds[name] = median_index(
@@ -246,10 +264,13 @@ def main() -> None:
                     at_rate = scenario(base_url, groups[name], rate_requests, args.request_rate)
                 results[name] = {"saturation": by_round[name][median_rounds[name]], rate_label: at_rate}
                 print(
-                    f"    {name} {rate_label}: {results[name][rate_label]['output_throughput']:.1f} output tok/s"
+                    f"    {name} {rate_label}: {at_rate['output_throughput']:.1f} output tok/s"
+                    + problem_note(at_rate)
                 )
-        if ours in results and theirs in results:
-            paired = [entry for entry in saturation_rounds[dtype] if "ratio" in entry]
+        paired = [entry for entry in saturation_rounds[dtype] if entry.get("ratio") is not None]
+        if ours in results and theirs in results and not paired:
+            print(f"!!! {dtype}: no saturation round where both servers generated every token", flush=True)
+        elif ours in results and theirs in results:
             summary_of_ratios = ratio_summary(
                 [entry["ratio"] for entry in paired], [entry["order"][0] == ours for entry in paired]
             )
@@ -260,8 +281,8 @@ def main() -> None:
                 "saturation_by_round": summary_of_ratios["by_round"],
                 "saturation_median_tessera_first": summary_of_ratios["median_tessera_first"],
                 "saturation_median_vllm_first": summary_of_ratios["median_peer_first"],
-                rate_label: results[ours][rate_label]["output_throughput"]
-                / results[theirs][rate_label]["output_throughput"],
+                "saturation_rounds_without_ratio": len(saturation_rounds[dtype]) - len(paired),
+                rate_label: paired_ratio(results[ours][rate_label], results[theirs][rate_label]),
             }
     report = {
         "benchmark": NAME,
@@ -293,7 +314,9 @@ def main() -> None:
             f" median {values['saturation']:.2f}x (target {TARGET_RATIO}x); "
             + order_note(values["saturation_median_tessera_first"], values["saturation_median_vllm_first"])
         )
-        print(f"{dtype} {rate_label}: Tessera / vLLM output throughput {values[rate_label]:.2f}x")
+        rate_ratio = values[rate_label]
+        shown = "none (a server fell short)" if rate_ratio is None else f"{rate_ratio:.2f}x"
+        print(f"{dtype} {rate_label}: Tessera / vLLM output throughput {shown}")
     print(f"wrote {write_json(NAME, report)} and {plot(results) if results else '(no plot: nothing ran)'}")
 
 

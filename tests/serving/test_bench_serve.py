@@ -17,6 +17,7 @@ from aiohttp import web
 from tessera.bench import client as client_module
 from tessera.bench.client import stream_completion
 from tessera.bench.datasets import BenchRequest
+from tessera.bench.report import print_summary, summarize
 from tessera.bench.serve import arrival_offsets
 from tests.fixtures.loopback_http import serving
 from tests.serving.server import MODEL_NAME, ServerProcess
@@ -43,6 +44,18 @@ def test_bench_serve_random_workload_with_concurrency_cap(
         assert 0 < result[f"median_{metric}_ms"] <= result[f"p99_{metric}_ms"]
     assert result["output_throughput"] > 0
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_a_run_whose_requests_all_failed_reports_no_latency_not_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    failed = [client_module.RequestResult(prompt_len=8, error="HTTP 500") for _ in range(3)]
+    summary = summarize(failed, duration_s=2.0, peak_concurrency=3)
+    assert summary["failed_requests"] == 3 and summary["output_throughput"] == 0.0
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        assert summary[f"median_{metric}_ms"] is None and summary[f"p99_{metric}_ms"] is None
+    print_summary(summary)
+    assert "n/a" in capsys.readouterr().out
 
 
 def test_arrivals_start_at_once_and_average_one_over_the_rate() -> None:

@@ -11,14 +11,15 @@ import numpy as np
 from tessera.bench.client import RequestResult
 
 
-def _stats(name: str, values_s: list[float]) -> dict[str, float]:
-    ms = np.asarray(values_s, dtype=float) * 1000.0 if values_s else np.zeros(1)
-    return {
-        f"mean_{name}_ms": float(ms.mean()),
-        f"median_{name}_ms": float(np.median(ms)),
-        f"p99_{name}_ms": float(np.percentile(ms, 99)),
-        f"std_{name}_ms": float(ms.std()),
-    }
+def _stats(name: str, values_s: list[float]) -> dict[str, float | None]:
+    """Mean, median, p99 and std in ms; None (JSON null) without a sample, so that a run whose
+    requests all failed does not read as the fastest possible."""
+    keys = (f"mean_{name}_ms", f"median_{name}_ms", f"p99_{name}_ms", f"std_{name}_ms")
+    if not values_s:
+        return dict.fromkeys(keys)
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    values = (ms.mean(), np.median(ms), np.percentile(ms, 99), ms.std())
+    return {key: float(value) for key, value in zip(keys, values, strict=True)}
 
 
 def summarize(results: list[RequestResult], duration_s: float, peak_concurrency: int) -> dict[str, Any]:
@@ -66,7 +67,8 @@ def print_summary(summary: dict[str, Any]) -> None:
             rows.append((f"{stat.capitalize()} {metric.upper()} (ms)", f"{stat}_{metric}_ms"))
     for label, key in rows:
         value = summary[key]
-        print(f"{label:<40}{value:>20.2f}" if isinstance(value, float) else f"{label:<40}{value:>20}")
+        shown = f"{value:>20.2f}" if isinstance(value, float) else f"{'n/a' if value is None else value:>20}"
+        print(f"{label:<40}{shown}")
     print("=" * 60)
 
 
