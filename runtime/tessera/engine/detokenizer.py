@@ -35,6 +35,7 @@ class IncrementalDetokenizer:
         self.min_tokens = params.min_tokens
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.output_text = ""
+        self.stop_checked_len = 0  # text no stop string may end in: checked, or inside min_tokens
         self.token_ids: list[int] = []
         self.num_decoded_tokens = 0  # tokens whose text has been emitted by the stream
         self.num_text_tokens = 0  # tokens that have text: all but a stop token left out (as vLLM)
@@ -62,7 +63,6 @@ class IncrementalDetokenizer:
         ``stop_terminated``: the last token is the EOS or a stop token id, whose text is left out
         unless ``include_stop_str_in_output`` (as vLLM does).
         """
-        previous_len = len(self.output_text)
         self.token_ids.extend(new_token_ids)
         with_text = new_token_ids[:-1] if stop_terminated and not self.include_stop else new_token_ids
         self.num_text_tokens += len(with_text)
@@ -76,8 +76,10 @@ class IncrementalDetokenizer:
             text_ids = self.token_ids[: self.num_text_tokens]
             self.output_text = decode(self.tokenizer, text_ids, self.skip_special_tokens)
         if len(self.token_ids) <= self.min_tokens:
-            return None  # no stop string ends the output before min_tokens (vLLM's rule)
-        return self._check_stop_strings(previous_len)
+            # No stop string ends within min_tokens' text, now or later (vLLM's rule).
+            self.stop_checked_len = len(self.output_text)
+            return None
+        return self._check_stop_strings()
 
     def flush(self) -> None:
         """At the end, emit what the stream still holds (an incomplete UTF-8 sequence) as decode would."""
@@ -86,19 +88,20 @@ class IncrementalDetokenizer:
             self.output_text += decode(self.tokenizer, pending, self.skip_special_tokens)
             self.num_decoded_tokens = self.num_text_tokens
 
-    def _check_stop_strings(self, previous_len: int) -> str | None:
-        if not self.stop:
-            return None
-        search_from = max(0, previous_len - self.max_stop_len + 1)
-        found: tuple[int, str] | None = None
+    def _check_stop_strings(self) -> str | None:
+        """The stop string that ends first in the new text (of two ending together, the first
+        listed), as appending one character at a time would find it: the cut does not depend on
+        how the text was split into tokens."""
+        checked, self.stop_checked_len = self.stop_checked_len, len(self.output_text)
+        found: tuple[int, str] | None = None  # (end, stop)
         for stop in self.stop:
-            index = self.output_text.find(stop, search_from)
-            if index != -1 and (found is None or index < found[0]):
-                found = (index, stop)
+            index = self.output_text.find(stop, max(0, checked - len(stop) + 1))
+            if index != -1 and (found is None or index + len(stop) < found[0]):
+                found = (index + len(stop), stop)
         if found is None:
             return None
-        index, stop = found
-        self.output_text = self.output_text[: index + len(stop) if self.include_stop else index]
+        end, stop = found
+        self.output_text = self.output_text[: end if self.include_stop else end - len(stop)]
         return stop
 
     def text_to_send(self, sent_len: int, finished: bool) -> str:
