@@ -95,6 +95,16 @@ def test_the_server_samples_unset_parameters_as_the_generation_config_says(
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], extra_body=extra
     )
     assert chat.usage is not None and chat.usage.completion_tokens == 3
+    # More than the 128-token context asked, 3 to be generated: both endpoints judge the 3.
+    for asked in ({"max_tokens": 200}, {"max_completion_tokens": 200}):
+        capped_chat = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], extra_body=extra, **asked
+        )
+        assert capped_chat.usage is not None and capped_chat.usage.completion_tokens == 3
+    long_asked = client.completions.create(
+        model=MODEL_NAME, prompt="Once upon", max_tokens=200, extra_body=extra
+    )
+    assert long_asked.usage is not None and long_asked.usage.completion_tokens == 3
     # A request's own temperature wins: 8 samples at temperature 1 do not all agree.
     sampled = client.completions.create(
         model=MODEL_NAME, prompt="Once upon", n=8, temperature=1.0, extra_body=extra

@@ -87,7 +87,9 @@ async def create_chat_completion(
         keep_last=body.truncate_prompt_tokens,
     )
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    ctx.check_context(len(token_ids), body.max_completion_tokens or body.max_tokens, asked, body.min_tokens)
+    # Within the model's own cap, as completions checks it: what would be generated must fit.
+    asked_tokens = defaults.cap(body.max_completion_tokens or body.max_tokens)
+    ctx.check_context(len(token_ids), asked_tokens, asked, body.min_tokens)
     params = body.to_sampling_params(max(1, ctx.engine.max_model_len - len(token_ids)), defaults)
     ctx.check_admission(params.n)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
