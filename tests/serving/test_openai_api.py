@@ -46,6 +46,30 @@ def test_completion_and_its_stream_agree(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_a_stream_sends_chunks_as_tokens_come_while_a_stop_string_holds_all_text_back(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM's cadence, which inter-token latency is measured by: a chunk per step that generated
+    tokens, with empty text while a possible stop string holds it back."""
+    kwargs = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.0}
+    kwargs |= {"stop": ["~" * 200], "extra_body": {"ignore_eos": True}}
+    for stream in (
+        client.completions.create(**kwargs, stream=True),
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=12,
+            temperature=0.0,
+            stop=["~" * 200],
+            extra_body={"ignore_eos": True},
+            stream=True,
+        ),
+    ):
+        pieces = [c.choices[0] for c in stream if c.choices]
+        texts = [p.text if hasattr(p, "text") else p.delta.content for p in pieces]
+        assert len(pieces) > 2 and not any(texts[:-1]) and texts[-1]  # the text comes at the end
+
+
 def test_streamed_text_offsets_match_the_whole_answer_while_a_stop_string_holds_text_back(
     client: openai.OpenAI,
 ) -> None:

@@ -32,6 +32,7 @@ from tessera.entrypoints.serving_common import (
     cancel_on_disconnect,
     sse,
     sse_with_errors,
+    streams_a_chunk,
 )
 from tessera.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -155,7 +156,7 @@ async def _stream(
         async for output in generator:
             for completion in output.outputs:
                 completion_tokens += len(completion.token_ids)
-                if not completion.text and completion.finish_reason is None and completion.logprobs is None:
+                if not streams_a_chunk(completion):
                     continue
                 yield chunk(
                     ChatStreamChoice(

@@ -20,6 +20,7 @@ from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
 from tessera.engine.processor import CONTEXT_LENGTH_EXCEEDED
 from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import ErrorInfo, ErrorResponse
+from tessera.outputs import CompletionOutput
 from tessera.sampling_params import InvalidParameterError, SamplingParams
 
 logger = logging.getLogger("tessera.api_server")
@@ -108,6 +109,12 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def streams_a_chunk(completion: CompletionOutput) -> bool:
+    """A stream sends a chunk for every step that generated tokens, text or not (a held-back stop
+    string, part of a character), as vLLM does: its clients count inter-token latency per chunk."""
+    return bool(completion.token_ids or completion.text or completion.finish_reason is not None)
 
 
 async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -25,6 +25,7 @@ from tessera.entrypoints.serving_common import (
     merge_streams,
     sse,
     sse_with_errors,
+    streams_a_chunk,
 )
 from tessera.outputs import CompletionOutput, Logprob, RequestOutput
 from tessera.sampling_params import SamplingParams
@@ -225,7 +226,7 @@ async def _stream(
                 choice = CompletionChoice(index=index, text="", finish_reason="length")
             else:
                 completion_tokens += len(completion.token_ids)
-                if not completion.text and completion.finish_reason is None and completion.logprobs is None:
+                if not streams_a_chunk(completion):
                     continue
                 offset = token_offsets.get(index, 0)
                 logprobs = completion_logprobs(completion, offset, tokenizer)
