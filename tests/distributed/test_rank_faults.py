@@ -123,3 +123,33 @@ def test_a_killed_engine_core_leaves_no_rank_and_no_ipc_folder(tiny_llama_dir: P
     finally:
         server.stop()
     assert {p: set(glob.glob(p)) for p in patterns} == before
+
+
+@pytest.mark.slow
+def test_a_first_stage_slower_than_the_collective_limit_is_waited_for(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 1 waits through stage 0's whole share of a step: a stage 0 that takes longer than a
+    collective may (stopped for 3 s against a 1 s limit) is slow, not dead, and its step completes."""
+    monkeypatch.setenv("TESSERA_COLLECTIVE_TIMEOUT", "1")
+    server = ServerProcess(
+        tiny_llama_dir, "--pp", "2", "--max-model-len", "256", api_key=None, log=tmp_path / "s.log"
+    )
+    try:
+        ranks = rank_pids(server)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        os.kill(ranks[0], signal.SIGSTOP)  # the first stage, while stage 1 waits for the step's input
+        resume = threading.Timer(3.0, os.kill, (ranks[0], signal.SIGCONT))
+        resume.start()
+        try:
+            started = time.monotonic()
+            answer = client.completions.create(
+                model="tiny", prompt="Once upon a time", max_tokens=4, extra_body={"ignore_eos": True}
+            )
+            assert time.monotonic() - started >= 2.5  # it did wait for the stopped stage
+        finally:
+            resume.join()
+        assert answer.usage is not None and answer.usage.completion_tokens == 4
+        assert not any(exited(pid) for pid in ranks)
+    finally:
+        server.stop()

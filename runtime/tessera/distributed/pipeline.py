@@ -13,6 +13,7 @@ goes on with the next batch in flight while the next stage is still busy.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -67,9 +68,18 @@ class PipelineSender:
 
 
 def receive(
-    step_id: int, rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    step_id: int,
+    rows: int,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    upstream_timeout_s: float,
 ) -> IntermediateTensors:
-    """The previous stage's output for ``step_id``: ``rows`` x ``hidden_size`` per tensor, checked."""
+    """The previous stage's output for ``step_id``: ``rows`` x ``hidden_size`` per tensor, checked.
+
+    Each header may take ``upstream_timeout_s``: it comes when the previous stage has computed its
+    share of the step, which may take longer than a collective may (gloo honours the longer wait;
+    NCCL's watchdog keeps the process group's limit)."""
     src = get_pipeline_peers().prev_rank
     if src is None:
         raise RuntimeError("the first pipeline stage has no previous stage to receive from")
@@ -78,7 +88,9 @@ def receive(
     expected = [step_id, rows, hidden_size, _DTYPE_CODES[dtype]]
     for name in TENSOR_NAMES:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=device)
-        dist.recv(header, src)
+        arriving = dist.irecv(header, src)
+        assert arriving is not None  # None only for a rank outside the group
+        arriving.wait(timedelta(seconds=upstream_timeout_s))
         got = header.tolist()
         if got != expected:
             raise PipelineProtocolError(

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
@@ -16,9 +15,7 @@ from typing import Any
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.worker.memory_profile import profile_batch
-
-# A step of the largest batches takes seconds; minutes without an answer means a hung rank.
-STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
+from tessera.worker.worker import STEP_TIMEOUT_S
 
 
 class ExecutorFailedError(RuntimeError):

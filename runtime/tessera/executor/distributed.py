@@ -32,9 +32,10 @@ from typing import Any
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.distributed import rpc
-from tessera.executor.base import STEP_TIMEOUT_S, Executor, ExecutorFailedError
+from tessera.executor.base import Executor, ExecutorFailedError
 from tessera.ports import free_port
 from tessera.topology import Topology
+from tessera.worker.worker import STEP_TIMEOUT_S
 from tessera.worker.worker_proc import (
     LOCAL_RANK_ENV,
     LOCAL_STARTUP_TIMEOUT_S,

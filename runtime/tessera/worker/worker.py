@@ -32,6 +32,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # next one raise (gloo) or NCCL's watchdog end the process (NCCL), instead of blocking forever;
 # the leader's heartbeats usually notice first, and then the rank's silence.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT", "120"))
+# A step of the largest batches takes seconds; minutes without an answer means a hung rank. A
+# later pipeline stage waits this long for the stage before it, whose whole share of the step
+# it waits through (the collective limit is for peers that compute side by side).
+STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
 
 
 def select_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
@@ -133,7 +137,8 @@ class Worker:
 
         def receive(num_tokens: int) -> IntermediateTensors:
             rows = model.intermediate_rows(num_tokens)
-            return pipeline.receive(step_id, rows, model.config.hidden_size, runner.dtype, self.device)
+            hidden_size = model.config.hidden_size
+            return pipeline.receive(step_id, rows, hidden_size, runner.dtype, self.device, STEP_TIMEOUT_S)
 
         receive_fn = None if self.is_first_stage else receive
         result = runner.execute_model(scheduler_output, receive_fn, sample=self.is_output_rank)
