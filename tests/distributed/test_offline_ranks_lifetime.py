@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tessera import LLM, SamplingParams
 from tests.distributed.rank_processes import children_of, cmdline
 from tests.distributed.test_rank_faults import exited
@@ -97,3 +99,19 @@ def test_ranks_of_a_process_killed_while_they_start_exit_at_once(tiny_llama_dir:
         os.kill(pid, signal.SIGKILL)
     assert not orphans, "ranks outlived the process that started them"
     assert set(glob.glob(pattern)) == before  # the last rank out removed their socket folder
+
+
+def test_ranks_start_when_the_engine_cores_folder_is_too_deep_for_their_socket(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long TMPDIR (a batch scheduler's) leaves the core's own sockets room but not the ranks'
+    one folder deeper: their folder then goes in the temporary folder itself."""
+    from tessera.worker.worker_proc import RANKS_IPC_PARENT_ENV
+
+    deep = tmp_path / ("d" * max(1, 90 - len(str(tmp_path))))  # its sockets would need 117
+    deep.mkdir()
+    monkeypatch.setenv(RANKS_IPC_PARENT_ENV, str(deep))
+    with LLM(str(tiny_llama_dir), pipeline_parallel_size=2, max_model_len=128, num_threads=1) as llm:
+        out = llm.generate("Once upon", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 2
+    assert list(deep.iterdir()) == []

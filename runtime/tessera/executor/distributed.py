@@ -29,6 +29,8 @@ import weakref
 from concurrent.futures import Future
 from typing import Any
 
+import zmq
+
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.distributed import rpc
@@ -58,6 +60,15 @@ class _Call:
         self.world_size = world_size
 
 
+def ranks_ipc_parent() -> str | None:
+    """Where the ranks' socket folder goes: inside the engine core's (removed with it), unless
+    that makes its socket's path too long for a Unix socket (a long TMPDIR): then the temporary
+    folder itself."""
+    parent = os.environ.get(RANKS_IPC_PARENT_ENV)
+    socket_path = f"{parent}/tessera-ranks-{'x' * 8}/rpc"
+    return parent if parent and len(socket_path) <= zmq.IPC_PATH_MAX_LEN else None
+
+
 class DistributedExecutor(Executor):
     def __init__(
         self,
@@ -68,7 +79,7 @@ class DistributedExecutor(Executor):
         startup_timeout_s: float,
     ) -> None:
         # Local ranks reach the leader over IPC in a folder of its own, removed at shutdown.
-        self.ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-", dir=os.environ.get(RANKS_IPC_PARENT_ENV))
+        self.ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-", dir=ranks_ipc_parent())
         # Removed at shutdown (or a failed start), at the latest when this object goes or the
         # interpreter exits; calling it again does nothing.
         self._remove_ipc_dir = weakref.finalize(self, shutil.rmtree, self.ipc_dir, ignore_errors=True)
