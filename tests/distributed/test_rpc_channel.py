@@ -137,3 +137,32 @@ def test_a_rank_reaches_its_leader_over_ipv6_and_ipv4() -> None:
         for link in links:
             link.close()
         channel.close()
+
+
+def test_a_message_up_to_the_channels_limit_arrives_and_a_larger_one_fails_at_its_sender(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One limit for both ends: a message under it is delivered whole (past the serializer's own
+    default), one over it raises where it is sent instead of vanishing on the way."""
+    monkeypatch.setattr(rpc, "MAX_MESSAGE_BYTES", serialization.DEFAULT_MAX_BYTES + 4096)
+    received: list[tuple[int, bytes, object]] = []
+    got = threading.Event()
+
+    def on_message(rank: int, kind: bytes, payload: object) -> None:
+        if kind == rpc.OUTPUT:  # not the link's HELLOs
+            received.append((rank, kind, payload))
+            got.set()
+
+    addr = f"ipc://{tmp_path}/rpc"
+    channel = rpc.LeaderChannel([addr], 2, on_message, lambda reason: None).start()
+    link = rpc.WorkerLink(addr, 1)
+    try:
+        big = b"x" * (serialization.DEFAULT_MAX_BYTES + 1024)
+        link.send(rpc.OUTPUT, {"step": 0, "output": big})
+        assert got.wait(30)
+        assert received[0][:2] == (1, rpc.OUTPUT) and received[0][2] == {"step": 0, "output": big}
+        with pytest.raises(ValueError, match=r"OUTPUT message of \d+ bytes passes the ranks' channel limit"):
+            link.send(rpc.OUTPUT, {"output": big + b"x" * 4096})
+    finally:
+        link.close()
+        channel.close()

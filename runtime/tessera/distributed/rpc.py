@@ -38,8 +38,19 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("TESSERA_HEARTBEAT_TIMEOUT", "5"))
 # A leader heard from once, then silent this long while its rank still loads, is gone too.
 STARTUP_SILENCE_S = 6 * HEARTBEAT_TIMEOUT_S
+# The largest message either end sends or accepts (ZeroMQ drops a peer that sends more).
 MAX_MESSAGE_BYTES = 256 << 20
 _WAKE = "inproc://tessera-rpc-wake"
+
+
+def _encoded(kind: bytes, payload: Any) -> bytes:
+    """``payload`` for the wire; one the other end would refuse fails here, where it is made."""
+    data = serialization.encode(payload)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(
+            f"a {kind.decode()} message of {len(data)} bytes passes the ranks' channel limit of {MAX_MESSAGE_BYTES}"
+        )
+    return data
 
 
 def _identity(rank: int) -> bytes:
@@ -92,7 +103,7 @@ class LeaderChannel:
 
     # --- the engine core's side -----------------------------------------------------------------
     def send(self, ranks: list[int], kind: bytes, payload: Any) -> None:
-        data = serialization.encode(payload)
+        data = _encoded(kind, payload)
         with self._send_lock:
             self._outbox.send_multipart([b",".join(str(r).encode() for r in ranks), kind, data])
 
@@ -164,7 +175,7 @@ class LeaderChannel:
         identity, kind, data = frames
         try:
             rank = int(identity.decode().removeprefix("rank-"))
-            payload = serialization.decode(data)
+            payload = serialization.decode(data, MAX_MESSAGE_BYTES)
         except Exception as exc:  # a malformed message is the sender's fault, never ours to die of
             logger.warning("rank channel: undecodable %r message: %s", kind[:16], exc)
             return
@@ -218,7 +229,7 @@ class WorkerLink:
         self._thread.start()
 
     def send(self, kind: bytes, payload: Any) -> None:
-        data = serialization.encode(payload)
+        data = _encoded(kind, payload)
         with self._send_lock:
             self._outbox.send_multipart([kind, data])
 
@@ -282,7 +293,7 @@ class WorkerLink:
             logger.error("rank %d: the engine failed; exiting", self.rank)
             os._exit(1)
         try:
-            payload = serialization.decode(data)
+            payload = serialization.decode(data, MAX_MESSAGE_BYTES)
         except Exception as exc:
             logger.error("rank %d: undecodable %r message from the leader: %s", self.rank, kind[:16], exc)
             self.inbox.put((FATAL, f"undecodable {kind[:16]!r} message: {exc}"))
