@@ -3,6 +3,7 @@ instead of waiting forever."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -82,3 +83,29 @@ def test_a_build_that_does_not_load_is_compiled_again(
     rebuilt = object()
     monkeypatch.setattr(cpp_extension, "load", lambda **options: rebuilt)
     assert kernels.cpu_kernels.__wrapped__() is rebuilt
+
+
+@pytest.mark.parametrize("compiler", ["missing", "broken"])
+def test_a_compiler_that_cannot_build_leaves_the_model_on_aten(tmp_path: Path, compiler: str) -> None:
+    """No compiler, or one that fails even to tell its version (a wrapper whose toolchain was
+    removed): the kernels are None and the model runs on ATen, never a failed start."""
+    broken = tmp_path / "bin" / "c++"
+    broken.parent.mkdir()
+    broken.write_text("#!/bin/sh\nexit 127\n")
+    broken.chmod(0o755)
+    env = {
+        **os.environ,
+        "TESSERA_CACHE": str(tmp_path / "cache"),  # nothing built before
+        "TESSERA_PREBUILT_CACHE": str(tmp_path / "no-image-cache"),
+        "CXX": str(tmp_path / "nowhere" / "c++") if compiler == "missing" else str(broken),
+    }
+    script = (
+        "import torch; from tessera.kernels import cpu_kernels; from tessera.models.layers.norm import RMSNorm\n"
+        "assert cpu_kernels() is None\n"
+        "print(RMSNorm(8)(torch.ones(2, 8))[0].shape)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "using ATen ops instead" in done.stderr and "torch.Size([2, 8])" in done.stdout

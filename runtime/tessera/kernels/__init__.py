@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import os
 import platform
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -184,6 +185,7 @@ def cpu_kernels() -> ModuleType | None:
                 build_directory=str(build_dir),
                 verbose=False,
             )
-    except (OSError, RuntimeError, ImportError, SystemExit) as error:
+    # SubprocessError: a compiler that fails even to tell its version (torch's builder asks first).
+    except (OSError, RuntimeError, ImportError, SystemExit, subprocess.SubprocessError) as error:
         logger.warning("Tessera's CPU kernels are unavailable, using ATen ops instead: %s", error)
         return None
