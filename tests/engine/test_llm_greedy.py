@@ -123,6 +123,25 @@ def test_smollm2_answers_through_chat_template(smollm2_dir: Path):
     assert out[0].outputs[0].token_ids == expected[0]
 
 
+def test_llm_chat_reads_messages_as_the_server_does_and_generate_names_a_bad_prompt(tiny_llama_dir: Path):
+    """Content parts are joined as the chat endpoint joins them (vLLM's LLM.chat does too), not
+    handed to the template as a list; a prompt that is neither text nor a dict says what it must be."""
+    with LLM(str(tiny_llama_dir), max_model_len=128, num_threads=1) as llm:
+        greedy = SamplingParams(temperature=0, max_tokens=3)
+        parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]
+        as_parts = llm.chat([{"role": "user", "content": parts}], greedy)[0]
+        as_text = llm.chat([{"role": "user", "content": "hi\nthere"}], greedy)[0]
+        assert as_parts.prompt_token_ids == as_text.prompt_token_ids
+        assert as_parts.outputs[0].token_ids == as_text.outputs[0].token_ids
+        with pytest.raises(ValueError, match="image_url"):
+            llm.chat(
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy
+            )
+        for bad in ([1, 2, 3], [[1, 2, 3]]):
+            with pytest.raises(TypeError, match="prompt_token_ids"):
+                llm.generate(bad, greedy)
+
+
 def test_abort_mid_flight_frees_every_block(tiny_llama_dir: Path):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=8, max_model_len=128)
     params = SamplingParams(max_tokens=50, ignore_eos=True)

@@ -14,6 +14,7 @@ from tessera.config import EngineConfig
 from tessera.engine.core import EngineCore
 from tessera.engine.output_processor import OutputProcessor
 from tessera.engine.processor import InputProcessor
+from tessera.entrypoints.protocol import ChatMessage, template_messages
 from tessera.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
 
@@ -99,7 +100,9 @@ class LLM:
         params_list = self._params_for(sampling_params, len(conversations))
         inputs = []
         for conversation, params in zip(conversations, params_list, strict=True):
-            text = self.input_processor.render_chat(conversation, add_generation_prompt)  # type: ignore[arg-type]
+            # As the server reads them: content parts joined, tool calls' arguments parsed.
+            parsed = template_messages([ChatMessage.model_validate(message) for message in conversation])
+            text = self.input_processor.render_chat(parsed, add_generation_prompt)
             inputs.append(_Input(text, self.input_processor.tokenize(text, add_special_tokens=False), params))
         return self._run(self._add_requests(inputs), use_tqdm)
 
@@ -118,6 +121,11 @@ class LLM:
     def _input(self, prompt: Prompt, params: SamplingParams) -> _Input:
         if isinstance(prompt, str):
             return _Input(prompt, self.input_processor.tokenize(prompt), params)
+        if not isinstance(prompt, dict):
+            raise TypeError(
+                f"a prompt is a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}"
+                " (token ids go as {'prompt_token_ids': [...]})"
+            )
         salt = prompt.get("cache_salt")
         if "prompt_token_ids" in prompt:
             token_ids = self.input_processor.tokenize(list(prompt["prompt_token_ids"]))
