@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from tessera.config import EngineConfig
 from tessera.engine import core_proc, serialization
 from tessera.engine.core_client import EngineDeadError, SyncMPClient
 from tessera.engine.messages import EngineCoreOutputs
+from tests.distributed.test_rank_faults import exited
 from tests.engine.test_wire_decoding import nested_extensions
 from tests.serving.fake_core import FakeEngineCore
 from tests.serving.test_core_client import collect_until_finished, request
@@ -237,3 +239,44 @@ def test_the_frontend_waits_for_its_core_past_the_ranks_startup_limit() -> None:
     env = {**os.environ, "TESSERA_RANK_STARTUP_TIMEOUT": "3600", "TESSERA_LOCAL_STARTUP_TIMEOUT": "1200"}
     shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert float(shown.stdout) > 3600
+
+
+FORGETFUL_SCRIPT = """
+import asyncio, sys
+from tessera.config import EngineConfig
+from tessera.engine.async_llm import AsyncLLM
+from tessera.sampling_params import SamplingParams
+
+async def main():
+    llm = AsyncLLM(EngineConfig(model=sys.argv[1], num_threads=1, num_kv_blocks=32, max_model_len=128))
+    async for out in llm.generate("r0", llm.processor.tokenize("Once upon"), SamplingParams(max_tokens=2)):
+        pass
+    print("core", llm.core.proc.pid, flush=True)
+    if sys.argv[2] == "crash":
+        raise RuntimeError("a bug in the script, before any shutdown()")
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("ending", ["returns", "crash"])
+def test_a_script_that_never_shuts_its_engine_down_still_exits(
+    tiny_llama_dir: Path, tmp_path: Path, ending: str
+) -> None:
+    """As vLLM's AsyncLLM: the engine core goes at interpreter exit, instead of multiprocessing's
+    exit hook waiting for the idle core forever; nor does its socket folder stay behind."""
+    script = tmp_path / "forgetful.py"
+    script.write_text(FORGETFUL_SCRIPT)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny_llama_dir), ending],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == (0 if ending == "returns" else 1), done.stderr[-2000:]
+    core_pid = int(done.stdout.split()[1])
+    assert exited(core_pid)
+    assert not list(tmp_path.glob("tessera-core-*"))

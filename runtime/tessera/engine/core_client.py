@@ -16,6 +16,7 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import queue
 import shutil
@@ -95,9 +96,12 @@ class MPClientBase:
             args=(config.model_dump_json(), input_addr, output_addr, engine_core_cls),
             name="tessera-engine-core",
         )
-        self.proc.start()
-        logger.info("engine core process started (pid %s)", self.proc.pid)
+        # Stopped before multiprocessing's exit hook joins it: a script that never calls
+        # shutdown() (or failed before it) would wait at exit for the idle core forever.
+        self._stop_at_exit = multiprocessing.util.Finalize(self, self.shutdown, exitpriority=10)
         try:
+            self.proc.start()
+            logger.info("engine core process started (pid %s)", self.proc.pid)
             self.ready_info = self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -288,6 +292,7 @@ class MPClientBase:
             receiver.join(timeout=2)
         self._zmq.destroy(linger=0)
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._stop_at_exit.cancel()
 
 
 class SyncMPClient(MPClientBase):
