@@ -77,6 +77,27 @@ CASES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": None,
         "head_dim": None,
     },
+    "llama, a sliding_window its attention ignores": {"model_type": "llama", **SMALL, "sliding_window": 8},
+    "llamafied qwen2, window off": {
+        "model_type": "llama",
+        **SMALL,
+        "sliding_window": 8,
+        "use_sliding_window": False,
+    },
+    "mistral with layer_types (read as ministral)": {
+        "model_type": "mistral",
+        **SMALL,
+        "sliding_window": 8,
+        "layer_types": ["full_attention", "sliding_attention"] * 2,
+        "architectures": ["MistralForCausalLM"],
+    },
+    "ministral, layer types left out": {"model_type": "ministral", **SMALL, "sliding_window": 8},
+    "llama, rope_parameters and a rope_scaling added (it wins, theta and all)": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 20000.0},
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+    },
     "qwen2, nothing but its type": {"model_type": "qwen2"},
     "qwen2, window not used": {"model_type": "qwen2", **SMALL, "sliding_window": 32},
     "qwen2, window on the upper layers": {
@@ -102,15 +123,29 @@ def transformers_config(folder: Path) -> Any:
     return AutoConfig.from_pretrained(folder)
 
 
-def derived(config: Any) -> dict[str, Any]:
-    """What the model computes from a config, whichever reader made it."""
+def windows_transformers_runs(config: Any) -> list[int | None]:
+    """Each layer's attention window as transformers' model code applies it: LlamaAttention has
+    none, MistralAttention passes config.sliding_window on every layer, Qwen2's and Ministral's
+    attention only on the layers config.layer_types marks."""
+    layers = range(config.num_hidden_layers)
+    if config.model_type == "llama":
+        return [None for _ in layers]
+    if config.model_type == "mistral":
+        return [config.sliding_window for _ in layers]
+    return [config.sliding_window if config.layer_types[i] == "sliding_attention" else None for i in layers]
+
+
+def derived(config: Any, windows: list[int | None]) -> dict[str, Any]:
+    """What the model computes from a config, whichever reader made it (its windows: ours, or
+    those transformers runs)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     params = rope_parameters(config)
     return {
         "rope_type": params["rope_type"],
+        "rope_theta": params["rope_theta"],
         "context_length": context_length(config),
-        "windows": [sliding_window_of_layer(config, layer) for layer in range(config.num_hidden_layers)],
+        "windows": windows,
         "head_dim": head_dim,
         "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
         "inverse_frequencies": rope_inverse_frequencies(head_dim, params, context_length(config)),
@@ -123,12 +158,26 @@ def test_fields_and_derivations_match_transformers(tmp_path: Path, fields: dict[
     ours, theirs = load_hf_config(tmp_path), transformers_config(tmp_path)
     for name in FIELDS:
         assert getattr(ours, name, None) == getattr(theirs, name, None), name
-    ours_derived, theirs_derived = derived(ours), derived(theirs)
+    ours_windows = [sliding_window_of_layer(ours, layer) for layer in range(ours.num_hidden_layers)]
+    ours_derived, theirs_derived = (
+        derived(ours, ours_windows),
+        derived(theirs, windows_transformers_runs(theirs)),
+    )
     torch.testing.assert_close(
         ours_derived.pop("inverse_frequencies"), theirs_derived.pop("inverse_frequencies"), rtol=0, atol=0
     )
     assert ours_derived == theirs_derived
     assert model_class_for(ours) is model_class_for(theirs)
+
+
+def test_a_scaling_tessera_does_not_run_is_refused_however_the_config_spells_it(tmp_path: Path) -> None:
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    for spelling in ({"rope_scaling": yarn}, {"rope_parameters": {"rope_theta": 1e4}, "rope_scaling": yarn}):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMALL, **spelling}))
+        config = load_hf_config(tmp_path)
+        assert rope_parameters(config)["rope_type"] == "yarn"
+        with pytest.raises(NotImplementedError, match="'yarn' is not supported"):
+            rope_inverse_frequencies(16, rope_parameters(config), context_length(config))
 
 
 def test_saved_checkpoints_read_as_transformers_reads_them(tiny_qwen2_dir: Path, smollm2_dir: Path) -> None:

@@ -2,8 +2,9 @@
 
 Importing transformers costs about 3.5 s of CPU, and every rank process paid it only to read
 this file: a group of 6 ranks sharing 2 cores started some 10 s later for it. The Llama family
-(Llama, Mistral, Qwen2) reads a few fields; they are read here with the class defaults and the
-derived fields of transformers' own ``LlamaConfig``, ``MistralConfig`` and ``Qwen2Config``.
+(Llama, Mistral, Ministral, Qwen2) reads a few fields; they are read here with the class defaults
+and the derived fields of transformers' own ``LlamaConfig``, ``MistralConfig``,
+``MinistralConfig`` and ``Qwen2Config``.
 ``tests/models/test_hf_config.py`` checks every field the model reads against transformers.
 """
 
@@ -45,6 +46,16 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096 * 32,
         "sliding_window": 4096,
     },
+    # What transformers reads a Mistral config with layer_types as (alternating attention).
+    "ministral": {  # its head_dim stays null: the model divides hidden_size by the heads
+        **_SHARED,
+        "vocab_size": 32000,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+        "layer_types": None,
+    },
     "qwen2": {
         **_SHARED,
         "vocab_size": 151936,
@@ -61,6 +72,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 ARCHITECTURE_FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MinistralForCausalLM": "ministral",
     "Qwen2ForCausalLM": "qwen2",
 }
 
@@ -74,6 +86,9 @@ def _derive(values: dict[str, Any]) -> None:
         values["num_key_value_heads"] = heads
     if "head_dim" in values and values["head_dim"] is None:
         values["head_dim"] = values["hidden_size"] // heads
+    if values.get("model_type") == "ministral" and values["layer_types"] is None:
+        sliding = "sliding_attention" if values["sliding_window"] is not None else "full_attention"
+        values["layer_types"] = [sliding] * values["num_hidden_layers"]
     if values.get("model_type") == "qwen2":
         # Qwen2 slides only when asked, on the layers from max_window_layers on.
         window = values["sliding_window"] if values["use_sliding_window"] else None
@@ -98,6 +113,8 @@ class HFConfig:
             model_type = next(
                 (ARCHITECTURE_FAMILIES[a] for a in architectures if a in ARCHITECTURE_FAMILIES), None
             )
+        if model_type == "mistral" and "layer_types" in fields:
+            model_type = "ministral"  # transformers' AutoConfig reads it so
         values = {**FAMILY_DEFAULTS.get(model_type or "", {}), **fields}
         if model_type is not None:
             values["model_type"] = model_type

@@ -40,10 +40,10 @@ FUSED_PARTS: dict[str, set[Any]] = {
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """RoPE settings whichever way the config spells them (transformers 5: ``rope_parameters``;
-    older files: ``rope_theta`` + ``rope_scaling``)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:
-        params = dict(getattr(config, "rope_scaling", None) or {})
+    older files: ``rope_theta`` + ``rope_scaling``). Given both, ``rope_scaling`` wins, as in
+    transformers (a model card's scaling added to a newer file must not go unread)."""
+    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+    params = dict(scaling or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
@@ -60,16 +60,18 @@ def context_length(config: Any) -> int:
 
 
 def sliding_window_of_layer(config: Any, layer: int) -> int | None:
+    """``layer``'s attention window as transformers' model code applies it: Llama's attention has
+    none (whatever config.json holds); Mistral's layers all slide; Qwen2's (when asked) and
+    Ministral's (a Mistral config with layer_types) only those its layer_types mark."""
     window = getattr(config, "sliding_window", None)
-    if not window:
+    family = getattr(config, "model_type", "")
+    if not window or family not in ("mistral", "ministral", "qwen2"):
         return None
-    if getattr(config, "model_type", "") == "qwen2":
-        # Qwen2 slides only when asked, and only on the layers its layer_types mark.
-        if not getattr(config, "use_sliding_window", False):
-            return None
-        layer_types = getattr(config, "layer_types", None)
-        if layer_types is not None and layer_types[layer] != "sliding_attention":
-            return None
+    if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if family != "mistral" and layer_types is not None and layer_types[layer] != "sliding_attention":
+        return None
     return int(window)
 
 
