@@ -89,6 +89,18 @@ def test_tensors_the_model_has_no_place_for_are_refused(tiny_llama_dir: Path, tm
         load_model(tiny_llama_dir, dtype=torch.float32, device="cpu", pp_rank=pp_rank, pp_size=2)
 
 
+def test_a_stray_safetensors_file_beside_model_safetensors_is_not_read(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """As transformers: without an index, model.safetensors is the checkpoint (a Mistral repo also
+    ships its own consolidated.safetensors, in names no Hugging Face model has)."""
+    folder = tmp_path / "with-stray"
+    shutil.copytree(tiny_llama_dir, folder)
+    save_file({"layers.0.attention.wq.weight": torch.ones(2, 2)}, str(folder / "consolidated.safetensors"))
+    assert safetensors_files(folder) == [folder / "model.safetensors"]
+    load_model(folder, dtype=torch.float32, device="cpu")
+
+
 def test_a_quantized_checkpoint_is_refused_by_name(tiny_llama_dir: Path, tmp_path: Path) -> None:
     folder = tmp_path / "fp8"
     shutil.copytree(tiny_llama_dir, folder)

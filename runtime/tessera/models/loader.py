@@ -55,6 +55,8 @@ def safetensors_files(folder: Path) -> list[Path]:
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [folder / shard for shard in shards]
+    if (folder / "model.safetensors").is_file():  # as transformers: not a stray file beside it
+        return [folder / "model.safetensors"]  # (e.g. Mistral's own consolidated.safetensors)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
