@@ -61,16 +61,19 @@ def up() -> int:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         print("make demo needs root and iproute2: pods run in network and mount namespaces of their own")
         return 1
-    pointer = local_cluster.pointer_file()
-    if pointer.exists():
-        print(f"reusing the local cluster that is already up ({pointer})")
+    info = local_cluster.recorded_cluster()
+    if info is not None:
+        print(f"reusing the local cluster that is already up ({local_cluster.pointer_file()})")
     else:
         print("starting the local cluster: etcd, kube-apiserver, controller-manager, scheduler,")
         print("the node agent (3 Nodes), the CRDs and the operator (chart settings, webhook on) ...")
         expose = f"{NAMESPACE}/{NAME}:{SERVICE_PORT}={_local_port()}"
         if local_cluster.up_in_background(["--nodes", "3", "--operator", "--expose", expose]) != 0:
             return 1
-    info = json.loads(pointer.read_text())
+        info = local_cluster.recorded_cluster()
+        if info is None:
+            print("the local cluster stopped as soon as it was up: see the log above")
+            return 1
     base_url = info["services"].get(f"{NAMESPACE}/{NAME}:{SERVICE_PORT}")
     if base_url is None:
         print("the running cluster does not expose the demo's Service: `make demo-down` first")

@@ -260,8 +260,14 @@ class LocalCluster:
         local_port = local_port or free_port()
         args = ["--kubeconfig", self.kubeconfig, "--namespace", namespace, "--service", service]
         args += ["--port", str(port), "--listen", str(local_port)]
-        self._spawn(f"proxy-{namespace}-{service}-{port}", args, module="e2e.service_proxy")
-        self._wait(f"the proxy on port {local_port}", time.monotonic() + 30, lambda: _accepts(local_port))
+        name = f"proxy-{namespace}-{service}-{port}"
+        self._spawn(name, args, module="e2e.service_proxy")
+        # Its own word that it listens: another program already on the port also accepts (and
+        # the proxy then exits, which _wait reports).
+        listening = f"127.0.0.1:{local_port} -> service"
+        self._wait(
+            f"the proxy on port {local_port}", time.monotonic() + 30, lambda: listening in self.logs(name)
+        )
         return f"http://127.0.0.1:{local_port}"
 
     def process_ids(self) -> dict[str, int]:
@@ -480,17 +486,28 @@ def _parse_expose(text: str) -> tuple[str, str, int, int | None]:
     return namespace, service, int(port), int(local) if local else None
 
 
+def _stop_on_sigterm(*_: object) -> None:
+    raise KeyboardInterrupt  # unwinds whatever runs (a start half-way included), stopping it all
+
+
 def _run_in_foreground(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # from `down`, even while the cluster starts
     if not binaries_installed():
         install_binaries()
     started = time.monotonic()
     nodes = [f"tessera-node-{i}" for i in range(args.nodes)]
-    with LocalCluster(node_name=None if nodes else DEFAULT_NODE, nodes=nodes) as cluster:
+    with (
+        LocalCluster(node_name=None if nodes else DEFAULT_NODE, nodes=nodes) as cluster,
+        contextlib.ExitStack() as stopping,
+    ):
+        if args.record:
+            stopping.callback(pointer_file().unlink, missing_ok=True)
         operator = None
         if args.operator:
             from e2e.chart_operator import start_chart_operator  # it builds on this module
 
             operator = start_chart_operator(cluster, cluster.workdir)
+            stopping.callback(operator.stop)  # before the cluster, and if a later step fails
         urls = {
             f"{ns}/{svc}:{port}": cluster.expose(ns, svc, port, local) for ns, svc, port, local in args.expose
         }
@@ -499,36 +516,62 @@ def _run_in_foreground(args: argparse.Namespace) -> int:
         if operator is not None:
             info["operator_log"] = str(operator.log_path)
         if args.record:
-            pointer_file().write_text(json.dumps(info))
+            _write_record(info)
         print(f"cluster ready in {time.monotonic() - started:.1f}s at {cluster.api_url}", flush=True)
         print(f"state folder: {cluster.workdir}", flush=True)
         print(f"export KUBECONFIG={cluster.kubeconfig}", flush=True)
         print(f"export PATH={cluster.bin_dir}:$PATH", flush=True)
         for service, url in urls.items():
             print(f"{service} -> {url}", flush=True)
-        stopped = False
-
-        def on_term(*_: object) -> None:
-            nonlocal stopped
-            stopped = True
-
-        signal.signal(signal.SIGTERM, on_term)
-        try:
-            with contextlib.suppress(KeyboardInterrupt):
-                while not stopped:
-                    time.sleep(0.5)
-        finally:
-            if operator is not None:
-                operator.stop()
-            if args.record:
-                pointer_file().unlink(missing_ok=True)
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, or SIGTERM from `down`
+            while True:
+                time.sleep(0.5)
     return 0
 
 
-def up_in_background(argv: Sequence[str]) -> int:
+def _write_record(info: dict[str, Any]) -> None:
+    """Replace the record whole (a reader never sees half of one)."""
     pointer = pointer_file()
-    if pointer.exists():
-        print(f"a cluster is already up ({pointer}); run `python -m e2e.local_cluster down` first")
+    staged = pointer.with_suffix(".tmp")
+    staged.write_text(json.dumps(info))
+    staged.replace(pointer)
+
+
+def _is_supervisor(pid: int) -> bool:
+    """Whether ``pid`` is a cluster supervisor of this module (a record outlives a reboot or an
+    OOM kill, and its pid may since belong to anything)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"e2e.local_cluster" in argv and b"--foreground" in argv
+
+
+def _read_record() -> dict[str, Any] | None:
+    """The recorded cluster, if its supervisor still runs; a stale record is removed."""
+    pointer = pointer_file()
+    try:
+        info: dict[str, Any] = json.loads(pointer.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        info = {}
+    if isinstance(info.get("pid"), int) and _is_supervisor(info["pid"]):
+        return info
+    print(f"removing a stale record of a cluster that is no longer running ({pointer})")
+    pointer.unlink(missing_ok=True)
+    return None
+
+
+def recorded_cluster() -> dict[str, Any] | None:
+    """The running cluster's record once it is ready (``state`` is written then), else None."""
+    info = _read_record()
+    return info if info is not None and "state" in info else None
+
+
+def up_in_background(argv: Sequence[str]) -> int:
+    if _read_record() is not None:
+        print(f"a cluster is already up ({pointer_file()}); run `python -m e2e.local_cluster down` first")
         return 1
     if not binaries_installed():
         install_binaries()
@@ -541,29 +584,44 @@ def up_in_background(argv: Sequence[str]) -> int:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # outlives this command
         )
-    while not pointer.exists():
-        if supervisor.poll() is not None:
-            print(log_path.read_text(errors="replace"))
-            return 1
-        time.sleep(0.3)
-    print(log_path.read_text(errors="replace"), end="")
-    log_path.unlink()
+    # Recorded at once, so that `down` (or a second `up`) finds a cluster that is still starting.
+    _write_record({"pid": supervisor.pid, "log": str(log_path)})
+    try:
+        while recorded_cluster() is None:
+            if supervisor.poll() is not None:  # its log, printed below, says why
+                pointer_file().unlink(missing_ok=True)
+                return 1
+            time.sleep(0.3)
+    except KeyboardInterrupt:  # Ctrl-C while it starts: it must not come up behind the user's back
+        print("interrupted: stopping the cluster that was starting")
+        down()
+        return 130  # as a shell reports Ctrl-C
+    finally:
+        print(log_path.read_text(errors="replace"), end="")
+        log_path.unlink(missing_ok=True)
     print("`python -m e2e.local_cluster down` stops everything.")
     return 0
 
 
+DOWN_GRACE_SECONDS = 120  # the node agent stops every pod first, each with its grace period
+
+
 def down() -> int:
-    pointer = pointer_file()
-    if not pointer.exists():
+    info = _read_record()
+    if info is None:
         print("no cluster is up")
         return 0
-    info = json.loads(pointer.read_text())
+    pid = info["pid"]
     with contextlib.suppress(ProcessLookupError):
-        os.kill(info["pid"], signal.SIGTERM)
-        while Path(f"/proc/{info['pid']}").exists():
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + DOWN_GRACE_SECONDS
+        while _is_supervisor(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-    pointer.unlink(missing_ok=True)
-    print(f"stopped; state folder {info['state']} removed")
+        if _is_supervisor(pid):
+            print(f"the cluster did not stop in {DOWN_GRACE_SECONDS} s: killing it")
+            os.kill(pid, signal.SIGKILL)  # its processes follow (they die with their parent)
+    pointer_file().unlink(missing_ok=True)
+    print(f"stopped; state folder {info.get('state', '(not created yet)')} removed")
     return 0
 
 
