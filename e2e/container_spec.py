@@ -7,6 +7,7 @@ checkout's virtual environment's `tessera`, and that environment's bin/ comes fi
 from __future__ import annotations
 
 import base64
+import math
 import os
 import re
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from e2e.kube_api import KubeApi
+from tessera_operator.quantity import parse_quantity
 
 VENV_BIN = Path(sys.executable).parent
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -68,6 +70,27 @@ def field_value(pod: Mapping[str, Any], path: str) -> str:
     raise ContainerConfigError(f"unsupported fieldRef {path!r}")
 
 
+def resource_field_value(pod: Mapping[str, Any], container: Mapping[str, Any], ref: Mapping[str, Any]) -> str:
+    """The downward API's resourceFieldRef as the kubelet resolves it: the container's request or
+    limit over the divisor, rounded up; an unset limit is the node's capacity (this host's)."""
+    name = ref.get("containerName") or container["name"]
+    target = next((c for c in pod["spec"]["containers"] if c["name"] == name), None)
+    kind, _, resource = str(ref.get("resource", "")).partition(".")
+    if target is None or kind not in ("limits", "requests") or resource not in ("cpu", "memory"):
+        raise ContainerConfigError(f"unsupported resourceFieldRef {dict(ref)!r}")
+    resources = target.get("resources") or {}
+    amount = (resources.get(kind) or {}).get(resource)
+    if amount is None and kind == "requests":
+        amount = (resources.get("limits") or {}).get(resource, 0)  # requests default to limits
+    if amount is None:  # the node's allocatable: this host's
+        host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        amount = (os.cpu_count() or 1) if resource == "cpu" else host_memory
+    value, divisor = parse_quantity(amount), parse_quantity(ref.get("divisor") or "1")
+    if divisor == 0:
+        raise ContainerConfigError(f"resourceFieldRef divisor 0 for {resource}")
+    return str(math.ceil(value / divisor))
+
+
 async def _object_data(api: KubeApi, kind: str, namespace: str, name: str) -> dict[str, str] | None:
     item = await api.get_or_none(f"/api/v1/namespaces/{namespace}/{kind}s/{name}")
     if item is None:
@@ -110,6 +133,8 @@ async def container_env(api: KubeApi, pod: Mapping[str, Any], container: Mapping
             value = expand(item.get("value", ""), env)
         elif "fieldRef" in source:
             value = field_value(pod, source["fieldRef"]["fieldPath"])
+        elif "resourceFieldRef" in source:
+            value = resource_field_value(pod, container, source["resourceFieldRef"])
         elif "configMapKeyRef" in source:
             value = await _key_ref(api, "configmap", namespace, source["configMapKeyRef"])
         elif "secretKeyRef" in source:

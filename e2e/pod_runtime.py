@@ -251,6 +251,10 @@ class PodRuntime:
 
     def _on_exit(self, container: Container, returncode: int, now: float) -> None:
         state = _terminated_state(returncode, container.started_at)
+        assert container.process is not None
+        # As a runtime ends a container with its main process: whatever it started goes too (a
+        # restarted container would otherwise meet its predecessor's children on its ports).
+        _signal_group(container.process.pid, signal.SIGKILL)
         container.process = None
         restart = self.restart_policy == "Always" or (
             self.restart_policy == "OnFailure" and state["exitCode"] != 0

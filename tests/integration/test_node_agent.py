@@ -177,7 +177,8 @@ def test_a_pod_gets_ready_and_is_reachable_by_its_dns_names_and_through_the_prox
 def test_exit_codes_and_restart_policies(local_cluster_full: LocalCluster, full_namespace: str) -> None:
     cluster, ns = local_cluster_full, full_namespace
     # OnFailure: the first run fails, the restarted one succeeds (the pod folder is its workdir).
-    flaky = "if [ -f ran-once ]; then exit 0; fi; touch ran-once; exit 1"
+    # The failing run leaves a child behind: it goes with its container, as a runtime ends it.
+    flaky = "if [ -f ran-once ]; then exit 0; fi; touch ran-once; sleep 1000 & echo $! > child; exit 1"
     apply(
         cluster,
         ns,
@@ -198,6 +199,9 @@ def test_exit_codes_and_restart_policies(local_cluster_full: LocalCluster, full_
     assert container["restartCount"] == 1
     assert container["lastState"]["terminated"]["exitCode"] == 1
     assert container["state"]["terminated"]["exitCode"] == 0
+    (child_file,) = (cluster.workdir / "pods").glob(f"{ns}_flaky_*/child")
+    child = Path(f"/proc/{child_file.read_text().strip()}/stat")
+    assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 # Records its pids in the pod folder (its working directory), then waits. `setsid` puts one

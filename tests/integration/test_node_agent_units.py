@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from e2e.container_spec import ContainerConfigError, container_argv, expand
+from e2e.container_spec import ContainerConfigError, container_argv, expand, resource_field_value
 from e2e.pod_dns import RCODE_NXDOMAIN, answer, build_records
 from e2e.service_proxy import ready_targets
 
@@ -69,6 +69,23 @@ def test_answers_known_names_and_refuses_everything_outside_the_cluster() -> Non
     assert _decode(answer(_query("empty.ns.svc.cluster.local"), records) or b"") == (0, [])
     assert _decode(answer(_query("example.com"), records) or b"")[0] == RCODE_NXDOMAIN
     assert answer(b"\x00\x01", records) is None  # garbage is dropped, not answered
+
+
+def test_resource_field_refs_resolve_as_the_kubelet_resolves_them() -> None:
+    """OMP_NUM_THREADS from limits.cpu and the like: the amount over the divisor, rounded up."""
+    worker = {
+        "name": "w",
+        "resources": {"limits": {"cpu": "2500m", "memory": "1Gi"}, "requests": {"cpu": "1"}},
+    }
+    pod = {"spec": {"containers": [worker, {"name": "sidecar"}]}}
+    assert resource_field_value(pod, worker, {"resource": "limits.cpu"}) == "3"
+    assert resource_field_value(pod, worker, {"resource": "requests.cpu", "divisor": "1m"}) == "1000"
+    assert resource_field_value(pod, worker, {"resource": "limits.memory", "divisor": "1Mi"}) == "1024"
+    assert resource_field_value(pod, worker, {"resource": "requests.memory", "divisor": "1Mi"}) == "1024"
+    unlimited = resource_field_value(pod, worker, {"containerName": "sidecar", "resource": "limits.cpu"})
+    assert int(unlimited) >= 1  # the node's capacity
+    with pytest.raises(ContainerConfigError, match="unsupported resourceFieldRef"):
+        resource_field_value(pod, worker, {"resource": "limits.gpu"})
 
 
 def test_var_references_expand_like_kubernetes() -> None:
