@@ -122,7 +122,7 @@ class LocalCluster:
         self.workdir = Path(tempfile.mkdtemp(prefix="tessera-k8s-"))
         self.port = free_port()
         self.api_url = f"https://127.0.0.1:{self.port}"
-        self.etcd_url = f"http://127.0.0.1:{free_port()}"
+        self.etcd_url = f"https://127.0.0.1:{free_port()}"
         self.kubeconfig = str(self.workdir / "admin.kubeconfig")
         self.ca_file = str(self.workdir / "pki" / "ca.crt")
         self._pki: Pki | None = None
@@ -322,7 +322,18 @@ class LocalCluster:
             )
 
     def _start_etcd(self) -> None:
-        peer = free_port()
+        # TLS with client certificates on both ports: etcd holds every Secret (ServiceAccount
+        # tokens among them), and any local user could otherwise read and write it.
+        assert self._pki is not None
+        cert, key = self._pki.issue("etcd", "/CN=etcd", usage="serverAuth,clientAuth", sans=["IP:127.0.0.1"])
+        peer = f"https://127.0.0.1:{free_port()}"
+        tls = [f"--cert-file={cert}", f"--key-file={key}", f"--trusted-ca-file={self._pki.ca_cert}"]
+        tls += [f"--peer-cert-file={cert}", f"--peer-key-file={key}"]
+        tls += [
+            f"--peer-trusted-ca-file={self._pki.ca_cert}",
+            "--client-cert-auth",
+            "--peer-client-cert-auth",
+        ]
         self._spawn(
             "etcd",
             [
@@ -330,9 +341,10 @@ class LocalCluster:
                 f"--data-dir={self._etcd_dir()}",
                 f"--listen-client-urls={self.etcd_url}",
                 f"--advertise-client-urls={self.etcd_url}",
-                f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-cluster=tessera=http://127.0.0.1:{peer}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=tessera={peer}",
+                *tls,
                 "--log-level=warn",
             ],
         )
@@ -340,10 +352,16 @@ class LocalCluster:
     def _start_apiserver(self) -> None:
         assert self._pki is not None
         pki = self._pki
+        etcd_client_cert, etcd_client_key = pki.issue(
+            "apiserver-etcd-client", "/CN=kube-apiserver-etcd-client", usage="clientAuth"
+        )
         self._spawn(
             "kube-apiserver",
             [
                 f"--etcd-servers={self.etcd_url}",
+                f"--etcd-cafile={pki.ca_cert}",
+                f"--etcd-certfile={etcd_client_cert}",
+                f"--etcd-keyfile={etcd_client_key}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
                 f"--secure-port={self.port}",

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import ssl
 import subprocess
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -199,6 +202,21 @@ def test_pods_bind_to_the_fake_node_and_tests_can_play_the_kubelet(
     assert any(
         v.get("secret", {}).get("secretName", "").startswith("default-token-") for v in got["spec"]["volumes"]
     )
+
+
+def test_etcd_answers_only_a_client_with_a_certificate_of_the_clusters_ca(k8s_cluster: LocalCluster) -> None:
+    """etcd holds every Secret: a local user without the apiserver's client certificate gets nothing."""
+    anonymous = ssl.create_default_context(cafile=k8s_cluster.ca_file)
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"{k8s_cluster.etcd_url}/version", context=anonymous, timeout=10).read()
+    plain = k8s_cluster.etcd_url.replace("https://", "http://")
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(f"{plain}/version", timeout=10).read()
+    pki = Path(k8s_cluster.ca_file).parent
+    apiserver = ssl.create_default_context(cafile=k8s_cluster.ca_file)
+    apiserver.load_cert_chain(pki / "apiserver-etcd-client.crt", pki / "apiserver-etcd-client.key")
+    with urllib.request.urlopen(f"{k8s_cluster.etcd_url}/version", context=apiserver, timeout=10) as answer:
+        assert b"etcdserver" in answer.read()
 
 
 def test_client_binaries_are_the_cached_ones(k8s_cluster: LocalCluster) -> None:
