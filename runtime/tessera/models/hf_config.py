@@ -25,6 +25,14 @@ _SHARED = {
     "tie_word_embeddings": False,
     "rope_parameters": None,
 }
+_MISTRAL = {
+    **_SHARED,
+    "vocab_size": 32000,
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096 * 32,
+    "sliding_window": 4096,
+}
 # model_type -> what transformers' config class assumes for a field config.json leaves out.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -37,25 +45,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": False,
         "mlp_bias": False,
     },
-    "mistral": {
-        **_SHARED,
-        "vocab_size": 32000,
-        "intermediate_size": 14336,
-        "num_key_value_heads": 8,
-        "head_dim": None,
-        "max_position_embeddings": 4096 * 32,
-        "sliding_window": 4096,
-    },
-    # What transformers reads a Mistral config with layer_types as (alternating attention).
-    "ministral": {  # its head_dim stays null: the model divides hidden_size by the heads
-        **_SHARED,
-        "vocab_size": 32000,
-        "intermediate_size": 14336,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 4096 * 32,
-        "sliding_window": 4096,
-        "layer_types": None,
-    },
+    "mistral": {**_MISTRAL, "head_dim": None},
+    # What transformers reads a Mistral config with layer_types as (alternating attention); its
+    # head_dim stays null (the model divides hidden_size by the heads).
+    "ministral": {**_MISTRAL, "layer_types": None},
     "qwen2": {
         **_SHARED,
         "vocab_size": 151936,
