@@ -24,9 +24,9 @@ RESOURCE_KINDS = ("requests", "limits")
 def qualified_name_problem(key: str) -> str | None:
     """Why `key` is not a label key / resource name (`[prefix/]name`), or None."""
     prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
+    if slash and (not prefix or len(prefix) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(prefix)):
         return f"{key!r}: the prefix must be a DNS subdomain of at most 253 characters"
-    if len(name) > 63 or not _NAME.match(name):
+    if len(name) > 63 or not _NAME.fullmatch(name):
         return (
             f"{key!r}: the name must be 1-63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
         )
@@ -34,7 +34,7 @@ def qualified_name_problem(key: str) -> str | None:
 
 
 def label_value_problem(value: str) -> str | None:
-    if value and (len(value) > 63 or not _NAME.match(value)):
+    if value and (len(value) > 63 or not _NAME.fullmatch(value)):
         return f"{value!r}: a label value is at most 63 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
     return None
 
@@ -150,12 +150,14 @@ def check_env_source(field: str, value: str | None, source: Mapping[str, Any] | 
 def check_volume(field: str, volume: Mapping[str, Any]) -> list[FieldError]:
     """A name (a DNS label) and exactly one volume type."""
     name = volume.get("name")
-    if not isinstance(name, str) or not _DNS1123_LABEL.match(name):
+    if not isinstance(name, str) or not _DNS1123_LABEL.fullmatch(name):
         return [FieldError(f"{field}.name", "must be a DNS label: 1-63 lowercase alphanumerics or '-'")]
     types = [key for key in volume if key != "name"]
     if len(types) != 1:
         what = "no volume type" if not types else f"{len(types)} volume types ({', '.join(types)})"
         return [FieldError(field, f"must have exactly one volume type, got {what}")]
+    if not isinstance(volume[types[0]], Mapping):
+        return [FieldError(f"{field}.{types[0]}", "must be an object")]
     return []
 
 

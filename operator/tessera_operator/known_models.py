@@ -7,6 +7,7 @@ loaded: for a known model the webhook says so first, naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -18,6 +19,14 @@ class ModelShape:
     num_attention_heads: int
     num_kv_heads: int
     intermediate_size: int
+    head_dim: int
+    max_context: int  # max_position_embeddings: the runtime refuses a longer maxModelLen
+
+    def min_kv_bytes_per_token(self, tensor: int, pipeline: int, element_size: int) -> int:
+        """A lower bound on what one token's keys and values take on the busiest rank: its stage
+        holds at least ceil(layers / pipeline) layers and its rank at least one KV head."""
+        layers = -(-self.num_layers // pipeline)
+        return 2 * layers * max(self.num_kv_heads // tensor, 1) * self.head_dim * element_size
 
     def tensor_split_problem(self, tensor: int) -> str | None:
         """Why `tensor` ranks cannot share this model's layers (the runtime's rules), or None."""
@@ -33,8 +42,23 @@ class ModelShape:
         return None
 
 
-SMOLLM2_135M = ModelShape(num_layers=30, num_attention_heads=9, num_kv_heads=3, intermediate_size=1536)
-LLAMA_70B = ModelShape(num_layers=80, num_attention_heads=64, num_kv_heads=8, intermediate_size=28672)
+SMOLLM2_135M = ModelShape(
+    num_layers=30,
+    num_attention_heads=9,
+    num_kv_heads=3,
+    intermediate_size=1536,
+    head_dim=64,
+    max_context=8192,
+)
+LLAMA_31_70B = ModelShape(
+    num_layers=80,
+    num_attention_heads=64,
+    num_kv_heads=8,
+    intermediate_size=28672,
+    head_dim=128,
+    max_context=131072,
+)
+LLAMA_3_70B = dataclasses.replace(LLAMA_31_70B, max_context=8192)
 
 # Keys are lower-case; a source matches by its full text or its last path component
 # (so `/models/Llama-3.1-70B-Instruct` and `meta-llama/Llama-3.1-70B-Instruct` both match).
@@ -43,14 +67,24 @@ KNOWN_MODELS: dict[str, ModelShape] = {
     "smollm2-135m": SMOLLM2_135M,
     "smollm2-135m-instruct": SMOLLM2_135M,
     "smollm2-360m-instruct": ModelShape(
-        num_layers=32, num_attention_heads=15, num_kv_heads=5, intermediate_size=2560
+        num_layers=32,
+        num_attention_heads=15,
+        num_kv_heads=5,
+        intermediate_size=2560,
+        head_dim=64,
+        max_context=8192,
     ),
     "llama-3.1-8b-instruct": ModelShape(
-        num_layers=32, num_attention_heads=32, num_kv_heads=8, intermediate_size=14336
+        num_layers=32,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        intermediate_size=14336,
+        head_dim=128,
+        max_context=131072,
     ),
-    "llama-3.1-70b-instruct": LLAMA_70B,
-    "llama-3.3-70b-instruct": LLAMA_70B,
-    "meta-llama-3-70b-instruct": LLAMA_70B,
+    "llama-3.1-70b-instruct": LLAMA_31_70B,
+    "llama-3.3-70b-instruct": LLAMA_31_70B,
+    "meta-llama-3-70b-instruct": LLAMA_3_70B,
 }
 
 

@@ -42,7 +42,7 @@ class PodPolicy:
     allowed_secrets: frozenset[str] = frozenset()  # these Secrets by name, with allow_secrets off
 
     def secret_allowed(self, name: object) -> bool:
-        return self.allow_secrets or name in self.allowed_secrets
+        return self.allow_secrets or (isinstance(name, str) and name in self.allowed_secrets)
 
     allowed_service_accounts: frozenset[str] = frozenset()
     allowed_priority_classes: frozenset[str] = frozenset()
@@ -111,10 +111,14 @@ def _volume_errors(
                 _not_allowed("a Secret handed to a CSI driver", SECRET_FLAGS),
             )
         )
-    sources = (volume.get("projected") or {}).get("sources") or []
+    projected = volume.get("projected")
+    sources = (projected.get("sources") if isinstance(projected, dict) else None) or []
     for j, source in enumerate(sources if isinstance(sources, list) else []):
         where = f"{field}.projected.sources[{j}]"
-        for kind in sorted(source.keys() - PROJECTED_SOURCES if isinstance(source, dict) else ()):
+        if not isinstance(source, dict):
+            errors.append(FieldError(where, "must be an object"))
+            continue
+        for kind in sorted(source.keys() - PROJECTED_SOURCES):
             errors.append(FieldError(f"{where}.{kind}", f"a projected {kind} source is not allowed"))
         if "secret" in source and not policy.secret_allowed(_secret_name(source["secret"], "name")):
             errors.append(FieldError(f"{where}.secret", _not_allowed("a projected Secret", SECRET_FLAGS)))

@@ -25,7 +25,7 @@ def parse_quantity(value: str | int | float) -> Decimal:
     text = str(value).strip() if not isinstance(value, bool) else ""
     if len(text) > MAX_LENGTH:
         raise ValueError(f"a quantity of {len(text)} characters (at most {MAX_LENGTH})")
-    match = _QUANTITY_RE.match(text)
+    match = _QUANTITY_RE.fullmatch(text)
     if not match:
         raise ValueError(f"not a resource quantity (e.g. 2Gi, 512Mi, 1e9, 500m): {value!r}")
     number, suffix = match.groups()

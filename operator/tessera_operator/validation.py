@@ -10,6 +10,7 @@ Every error names the field at fault.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import ValidationError
@@ -38,6 +39,8 @@ from tessera_operator.quantity import quantity_to_bytes
 
 __all__ = ["RESERVED_ENV", "FieldError", "PodPolicy", "validate_object"]
 
+log = logging.getLogger("tessera_operator.validation")
+
 # Variables the operator owns in every rank pod; the user's env must not shadow them.
 RESERVED_ENV = frozenset(Topology.model_validate({}).to_env()) | {"TESSERA_LAYER_PARTITION", "PYTHONHASHSEED"}
 
@@ -55,7 +58,7 @@ def field_path(loc: tuple[int | str, ...]) -> str:
 
 
 def validate_name(name: str) -> list[FieldError]:
-    if len(name) > MAX_CLUSTER_NAME or not CLUSTER_NAME_RE.match(name):
+    if len(name) > MAX_CLUSTER_NAME or not CLUSTER_NAME_RE.fullmatch(name):
         return [
             FieldError(
                 "metadata.name",
@@ -138,7 +141,43 @@ def validate_engine(spec: InferenceClusterSpec) -> list[FieldError]:
                 errors.append(FieldError("spec.engine.kvCacheMemory", "must be at least 1 byte"))
         except ValueError as exc:
             errors.append(FieldError("spec.engine.kvCacheMemory", str(exc)))
-    return errors
+    return errors or validate_context(spec)
+
+
+def validate_context(spec: InferenceClusterSpec) -> list[FieldError]:
+    """For a known model, what every rank would refuse once loaded: a context longer than the
+    model's, or a KV cache too small for one sequence of it (checked with a lower bound of the
+    busiest rank's bytes per token, so a spec the runtime takes is never refused)."""
+    model = known_model(spec.model.source)
+    if model is None:
+        return []
+    max_len = spec.model.max_model_len
+    if max_len is not None and max_len > model.max_context:
+        return [
+            FieldError(
+                "spec.model.maxModelLen",
+                f"{max_len} is longer than the context of model {spec.model.source!r} "
+                f"({model.max_context} tokens)",
+            )
+        ]
+    if spec.engine.kv_cache_memory is None:
+        return []
+    par, block = spec.parallelism, spec.engine.block_size
+    element_size = 4 if spec.model.dtype == "float32" else 2
+    per_block = block * model.min_kv_bytes_per_token(par.tensor, par.pipeline, element_size)
+    blocks = quantity_to_bytes(spec.engine.kv_cache_memory) // per_block
+    needed = -(-(max_len or model.max_context) // block)
+    if blocks >= needed:
+        return []
+    length = "spec.model.maxModelLen" if max_len is not None else "the model's context"
+    return [
+        FieldError(
+            "spec.engine.kvCacheMemory",
+            f"{spec.engine.kv_cache_memory} holds at most {blocks} blocks of {block} tokens per rank, "
+            f"fewer than one sequence of {length} ({max_len or model.max_context} tokens, {needed} "
+            "blocks) needs: raise it or lower spec.model.maxModelLen",
+        )
+    ]
 
 
 def _reserved_keys(field: str, keys: Any, what: str) -> list[FieldError]:
@@ -155,16 +194,18 @@ def validate_volumes(template: TemplateSpec) -> list[FieldError]:
     for i, volume in enumerate(template.volumes):
         name = volume.get("name")
         errors += check_volume(f"spec.template.volumes[{i}]", volume)
+        if not isinstance(name, str):
+            continue  # check_volume said so
         if name in naming.OPERATOR_VOLUMES:
             errors.append(
                 FieldError(f"spec.template.volumes[{i}].name", f"{name!r} is a volume of the operator")
             )
         elif name in names:
             errors.append(FieldError(f"spec.template.volumes[{i}].name", f"duplicate volume {name!r}"))
-        names.add(str(name))
+        names.add(name)
     for i, mount in enumerate(template.volume_mounts):
         errors += check_volume_mount(f"spec.template.volumeMounts[{i}]", mount)
-        if mount.get("name") not in names:
+        if not isinstance(mount.get("name"), str) or mount["name"] not in names:
             errors.append(
                 FieldError(
                     f"spec.template.volumeMounts[{i}].name",
@@ -213,7 +254,11 @@ def validate_object(name: str, raw_spec: dict[str, Any], policy: PodPolicy | Non
     spec, errors = parse_spec(raw_spec)
     errors = validate_name(name) + errors
     if spec is not None:
-        errors += validate_spec(spec, policy)
+        try:
+            errors += validate_spec(spec, policy)
+        except Exception as exc:  # a free-form value of a shape no rule foresaw: refused, not a crash
+            log.exception("cannot check the spec of %s", name)
+            errors.append(FieldError("spec", f"cannot be checked: {type(exc).__name__}: {exc}"))
     return errors
 
 

@@ -335,7 +335,11 @@ def test_valid_pod_fields_pass() -> None:
             {"operator": "Exists"},
         ],
         "affinity": {
-            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]
+                }
+            }
         },
     }
     assert fields("demo", template=template) == []
@@ -391,3 +395,86 @@ def test_the_largest_cluster_within_the_cap_passes() -> None:
     assert (
         fields("demo", model={"source": "llama-3.1-8b-instruct"}, replicas=64, parallelism=layout) == []
     )  # 1,024 pods
+
+
+@pytest.mark.parametrize(
+    ("template", "field"),
+    [
+        ({"volumes": [{"name": "s", "secret": {"secretName": ["k"]}}]}, "spec.template.volumes[0].secret"),
+        (
+            {"env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": ["k"], "key": "x"}}}]},
+            "spec.template.env[0].valueFrom.secretKeyRef",
+        ),
+        ({"volumes": [{"name": ["a"], "emptyDir": {}}]}, "spec.template.volumes[0].name"),
+        (
+            {
+                "volumes": [{"name": "a", "emptyDir": {}}],
+                "volumeMounts": [{"name": ["a"], "mountPath": "/a"}],
+            },
+            "spec.template.volumeMounts[0].name",
+        ),
+        ({"volumes": [{"name": "p", "projected": "x"}]}, "spec.template.volumes[0].projected"),
+        ({"volumes": [{"name": "e", "emptyDir": "x"}]}, "spec.template.volumes[0].emptyDir"),
+        (
+            {"volumes": [{"name": "p", "projected": {"sources": ["secret"]}}]},
+            "spec.template.volumes[0].projected.sources[0]",
+        ),
+    ],
+)
+def test_free_form_values_of_the_wrong_json_type_are_errors_naming_the_field(
+    template: dict[str, object], field: str
+) -> None:
+    """The CRD stores any JSON in the pod's free-form fields: a wrong type is refused, never a crash
+    (which would stop the reconciler from repairing the cluster and the webhook from naming it)."""
+    assert field in fields("demo", template=template)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"template": {"labels": {"team": "ml\n"}}},
+        {"template": {"nodeSelector": {"gpu": "a100\n"}}},
+        {"template": {"annotations": {"note\n": "x"}}},
+        {"template": {"tolerations": [{"key": "dedicated\n", "operator": "Exists"}]}},
+        {"template": {"volumes": [{"name": "e\n", "emptyDir": {}}]}},
+        {"placement": {"topologyKey": "kubernetes.io/hostname\n"}},
+    ],
+)
+def test_a_trailing_newline_is_not_a_valid_name_or_label(changes: dict[str, object]) -> None:
+    """A YAML block scalar ends in a newline; the API server refuses it in every pod."""
+    assert fields("demo", **changes)
+
+
+def test_a_rule_that_breaks_on_an_unforeseen_value_refuses_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tessera_operator import validation
+
+    def broken(*_: object) -> list[object]:
+        raise TypeError("unhashable type: 'list'")
+
+    monkeypatch.setattr(validation, "validate_template", broken)
+    errors = validate_object("demo", dict(BASE))
+    assert [(e.field, e.message) for e in errors] == [
+        ("spec", "cannot be checked: TypeError: unhashable type: 'list'")
+    ]
+
+
+def test_a_known_models_context_and_kv_cache_are_checked_before_any_rank_loads_it() -> None:
+    """The runtime refuses both in every rank, after loading: a maxModelLen past the model's
+    context (8,192 tokens for SmolLM2), and a cache smaller than one sequence of maxModelLen."""
+    model = {"source": "smollm2-135m-instruct"}
+    assert fields("demo", model={**model, "maxModelLen": 16384}) == ["spec.model.maxModelLen"]
+    assert fields("demo", model={**model, "maxModelLen": 8192}) == []
+    # 3 x 2 ranks: 15 layers and one KV head of 64 each, at least 2 bytes an element, so at least
+    # 3,840 bytes a token: 1Mi holds 273 tokens (17 blocks); 2,048 tokens need 128 blocks.
+    for too_small in ("1", "1Mi"):
+        changes = {"model": {**model, "maxModelLen": 2048}, "engine": {"kvCacheMemory": too_small}}
+        assert fields("demo", **changes) == ["spec.engine.kvCacheMemory"]
+    enough = {"model": {**model, "maxModelLen": 2048}, "engine": {"kvCacheMemory": str(3840 * 2048)}}
+    assert fields("demo", **enough) == []
+    # Without maxModelLen the runtime holds a whole context (8,192 tokens): 8Mi is too little.
+    assert fields("demo", model=model, engine={"kvCacheMemory": "8Mi"}) == ["spec.engine.kvCacheMemory"]
+    # A model the operator does not know is left to the runtime.
+    assert (
+        fields("demo", model={"source": "org/unknown", "maxModelLen": 10**6}, engine={"kvCacheMemory": "1"})
+        == []
+    )
