@@ -105,6 +105,12 @@ def recommend(spec: AutoscalingSpec, current: int, sample: QueueSample) -> tuple
     )
     if abs(average / target - 1) <= TOLERANCE:
         return current, described
+    if average > target and sample.unmeasured:
+        # As the HPA on a scale-up: groups not measured yet (one still loading, say) count as
+        # empty queues, and a ratio that then falls within the tolerance is no change.
+        counted = sample.measured + sample.unmeasured
+        if sample.waiting / (target * counted) <= 1 + TOLERANCE:
+            return current, f"{described}; {sample.unmeasured} group(s) not measured, counted as empty"
     wanted = math.ceil(sample.waiting / target - 1e-9)
     if wanted < current and sample.unmeasured:
         # Scale-down removes the highest groups, Ready or not: with a group down (or silent) it

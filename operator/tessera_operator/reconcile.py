@@ -55,10 +55,12 @@ class Reconciler:
         clock: Callable[[], float] = time.time,
         policy: PodPolicy | None = None,
         autoscale_interval: float = 15.0,
+        monotonic: Callable[[], float] = time.monotonic,
     ):
         self.client = client
         self.resync_seconds = resync_seconds
-        self.clock = clock
+        self.clock = clock  # wall time: status and backoff deadlines, which outlive this process
+        self.monotonic = monotonic  # the autoscaler's intervals and windows, which do not
         self.policy = policy or PodPolicy()
         self.autoscale_interval = autoscale_interval
         # By cluster: a cluster deleted and made again under its name starts a history of its own.
@@ -138,7 +140,13 @@ class Reconciler:
             ))  # fmt: skip
             return self.resync_seconds
 
-        status, next_sample = await self.autoscale(ic_path, ref, spec, observation, previous, status, now)
+        if errors:  # the object's replicas are not what runs: no scale is decided from them
+            status, next_sample = status.model_copy(update={"autoscaling": previous.autoscaling}), None
+        else:
+            version = meta.get("resourceVersion")
+            status, next_sample = await self.autoscale(
+                ic_path, ref, spec, version, observation, previous, status, now
+            )
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
         writes = [
             *(self.create(core_path(namespace, "pods"), pod) for pod in to_create),
@@ -204,40 +212,48 @@ class Reconciler:
         ic_path: str,
         ref: builders.ClusterRef,
         spec: InferenceClusterSpec,
+        version: str | None,
         observation: Observation,
         previous: InferenceClusterStatus,
         status: InferenceClusterStatus,
         now: float,
     ) -> tuple[InferenceClusterStatus, float | None]:
         """Samples the Ready leaders' queues when a sample is due and sets spec.replicas through the
-        scale subresource, as the HPA would. Returns the status to write and when to sample next."""
+        scale subresource, as the HPA would: only on the object as read (`version`), so replicas
+        set meanwhile (`kubectl scale`, a GitOps sync) win. Returns the status to write and when
+        to sample next. Intervals and windows run on the monotonic clock, status times on `now`."""
         settings = spec.autoscaling
         if settings is None or not settings.enabled:
             self._scale_histories.pop(ref, None)
             return status, None
         history = self._scale_histories.setdefault(ref, autoscaler.History())
-        autoscaler.seed(history, now, spec.replicas)
-        if history.last_sample is not None and now - history.last_sample < self.autoscale_interval:
-            kept = status.model_copy(update={"autoscaling": previous.autoscaling})
-            return kept, history.last_sample + self.autoscale_interval - now
+        tick = self.monotonic()
+        autoscaler.seed(history, tick, spec.replicas)
+        kept = status.model_copy(update={"autoscaling": previous.autoscaling})
+        if history.last_sample is not None and tick - history.last_sample < self.autoscale_interval:
+            return kept, history.last_sample + self.autoscale_interval - tick
         ready = {i: g.leader for i, g in sorted(observation.groups.items()) if g.leader_ready and g.leader}
         leaders = list(ready.values())
         depths = dict(zip(ready, await queue_depths(leaders, settings.metric), strict=True))
         try:  # pure; a bug here must cost this sample, never the pass (restarts, status)
             sample = autoscaler.sample_of(depths, spec.replicas)
-            decision = autoscaler.decide(settings, spec.replicas, sample, history, now)
+            decision = autoscaler.decide(settings, spec.replicas, sample, history, tick)
         except Exception:
             log.exception("%s/%s: cannot decide a scale from %s", ref.namespace, ref.name, depths)
-            history.last_sample = now
-            kept = status.model_copy(update={"autoscaling": previous.autoscaling})
+            history.last_sample = tick
             return kept, self.autoscale_interval
         last_scale = previous.autoscaling.last_scale_time if previous.autoscaling else None
         if decision.desired != spec.replicas:
             verb = "ScaledUp" if decision.desired > spec.replicas else "ScaledDown"
             message = f"replicas {spec.replicas} -> {decision.desired}: {decision.reason}"
+            scale = {"metadata": {"resourceVersion": version}, "spec": {"replicas": decision.desired}}
             try:
-                await self.client.merge_patch(ic_path + "/scale", {"spec": {"replicas": decision.desired}})
+                await self.client.merge_patch(ic_path + "/scale", scale)
             except ApiError as exc:
+                if exc.status == 409:  # changed since read: decide again on the object as it is now
+                    log.info("%s/%s: replicas changed meanwhile; sampling again", ref.namespace, ref.name)
+                    history.last_sample = None
+                    return kept, 0.0
                 failure = refusal(FAILED_SCALE, "setting replicas through the scale subresource", exc)
                 if not isinstance(failure, WriteRefused):
                     raise failure from exc
@@ -423,6 +439,8 @@ class Reconciler:
             current = None
         orphaned = current is not None and is_orphaned(current, ref.name)
         if current is not None and not orphaned and not controlled_by(current, ref.uid):
+            if desired is None:
+                return  # none wanted (opted out, or one group): another's budget is theirs to keep
             what = f"updating poddisruptionbudget {ref.name}"
             raise not_ours(FAILED_CREATE, what, "PodDisruptionBudget")  # it would guard our pods wrongly
         try:

@@ -53,7 +53,9 @@ def seconds_until_restart(group: GroupStatus, now: float) -> float:
 
 def record_disruption(group: GroupStatus, reason: str, now: float) -> GroupStatus:
     """A rank deleted from outside (a drain's eviction, preemption, `kubectl delete pod`) is no
-    crash: the group restarts at once and its backoff neither grows nor resets."""
+    crash: the group restarts at once and its backoff neither grows nor resets. It still counts
+    towards the progress deadline: a group evicted on every start (its own ephemeral-storage
+    limit, say) never reaches Ready, and must read Stalled rather than restart unseen forever."""
     return group.model_copy(
         update={
             "phase": "BackingOff",
@@ -63,5 +65,6 @@ def record_disruption(group: GroupStatus, reason: str, now: float) -> GroupStatu
             "backoff_seconds": 0.0,
             "next_restart_time": to_rfc3339(now),
             "ready_since": None,
+            "failing_since": group.failing_since or to_rfc3339(now),
         }
     )

@@ -78,6 +78,15 @@ def test_within_the_tolerance_nothing_changes() -> None:
     assert recommend(spec(targetQueueDepth=8), 2, QueueSample(waiting=19, measured=2, unmeasured=0))[0] == 3
 
 
+def test_groups_still_loading_count_as_empty_on_a_scale_up_as_the_hpa_counts_missing_pods() -> None:
+    """33 waiting at the one Ready group of 4 is 8.25 a group: within 10% of 8, no change (the HPA's
+    calcPlainMetricReplicas); asking for a fifth would hold it for the whole stabilization window."""
+    settings = spec(targetQueueDepth=8)
+    assert recommend(settings, 4, sample_of({0: 33.0}, 4))[0] == 4
+    assert recommend(settings, 2, sample_of({0: 17.0}, 2))[0] == 2
+    assert recommend(settings, 2, sample_of({0: 40.0}, 2))[0] == 5  # a real excess still scales
+
+
 def test_scale_down_waits_for_the_stabilization_window() -> None:
     settings = spec(targetQueueDepth=4, scaleDownStabilizationSeconds=60)
     idle = QueueSample(waiting=0, measured=3, unmeasured=0)
@@ -188,7 +197,7 @@ async def test_a_pass_samples_ready_leaders_and_scales_through_the_scale_subreso
     autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2}
     client = fake_with_cluster(replicas=1, autoscaling=autoscaling)
     now = [1000.0]
-    reconciler = Reconciler(client, clock=lambda: now[0], autoscale_interval=15)  # type: ignore[arg-type]
+    reconciler = Reconciler(client, clock=lambda: now[0], monotonic=lambda: now[0], autoscale_interval=15)  # type: ignore[arg-type]
     await reconciler.reconcile("ns", "demo")  # creates the pods; no leader is Ready yet
     status = client.objects[IC_PATH]["status"]["autoscaling"]
     assert status["measuredReplicas"] == 0 and status["desiredReplicas"] == 1

@@ -358,6 +358,28 @@ def test_a_group_that_keeps_failing_stalls_the_cluster_past_the_deadline_until_i
     assert sim.condition("Degraded").reason == "GroupRestarting"
 
 
+def test_a_group_evicted_on_every_start_stalls_the_cluster_past_the_deadline() -> None:
+    """An eviction grows no backoff, but a group the kubelet evicts before every Ready (its own
+    ephemeral-storage limit, filled by the model cache) waits for a person like a crash loop."""
+    sim = Sim(spec_of(rollout={"progressDeadlineSeconds": 60}))
+    evicted = {
+        "phase": "Failed",
+        "reason": "Evicted",
+        "message": "Pod ephemeral local storage usage exceeds the total limit of containers 10Gi.",
+    }
+    for _ in range(4):  # 25 s a start, never Ready: past the 60 s deadline
+        sim.step()
+        sim.run_all(ready=False)
+        sim.now += 25
+        sim.pods["demo-g0-s1-t0"]["status"] = dict(evicted)
+        sim.step()
+        assert sim.status.groups[0].backoff_seconds == 0
+    assert sim.condition("Degraded").reason == "ProgressDeadlineExceeded"
+    assert sim.condition("Stalled").status == "True"
+    sim.converge()
+    assert sim.status.groups[0].failing_since is None and sim.condition("Stalled").status == "False"
+
+
 def test_a_fix_for_a_crash_looping_group_starts_at_once_without_its_failure_history() -> None:
     """A spec changed while a group waits out a crash backoff (a fixed image, a rollback) is what
     the person was asked for: the new revision must not wait out the old one's backoff."""

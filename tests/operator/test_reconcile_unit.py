@@ -63,11 +63,21 @@ class FakeClient:
             return event
         if path.endswith("/scale"):  # the scale subresource sets spec.replicas
             target = self.objects[path.removesuffix("/scale")]
+            expected = body.get("metadata", {}).get("resourceVersion")
+            if expected is not None and expected != target["metadata"].get("resourceVersion"):
+                raise ApiError(409, {"message": "the object has been modified"})
             target["spec"]["replicas"] = body["spec"]["replicas"]
+            self.bump(target)
             return target
         target = self.objects[path.removesuffix("/status")]
         target.update(apply_merge_patch(target, body))
+        self.bump(target)
         return target
+
+    def bump(self, target: dict[str, Any]) -> None:
+        """A write's new resourceVersion, as the API server gives one (the cluster object keeps one)."""
+        if "resourceVersion" in target.get("metadata", {}):
+            target["metadata"]["resourceVersion"] = str(int(target["metadata"]["resourceVersion"]) + 1)
 
     async def delete(self, path: str, *, uid: str | None = None) -> None:
         self.calls.append(("DELETE", path))
@@ -98,7 +108,13 @@ IC_PATH = "/apis/tessera.dev/v1alpha1/namespaces/ns/inferenceclusters/demo"
 def fake_with_cluster(**spec: Any) -> FakeClient:
     client = FakeClient()
     client.objects[IC_PATH] = {
-        "metadata": {"name": "demo", "namespace": "ns", "uid": "ic-uid", "generation": 3},
+        "metadata": {
+            "name": "demo",
+            "namespace": "ns",
+            "uid": "ic-uid",
+            "generation": 3,
+            "resourceVersion": "1",
+        },
         "spec": {
             "model": {"source": "llama-3.1-8b-instruct"},
             "parallelism": {"tensor": 2, "pipeline": 2},
@@ -359,7 +375,7 @@ async def running_autoscaled_cluster(
     monkeypatch.setattr(reconcile_module, "queue_depths", depths)
     client = fake_with_cluster(replicas=1, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3})
     now = [1000.0]
-    reconciler = Reconciler(client, clock=lambda: now[0])  # type: ignore[arg-type]
+    reconciler = Reconciler(client, clock=lambda: now[0], monotonic=lambda: now[0])  # type: ignore[arg-type]
     await reconciler.reconcile("ns", "demo")
     run_all(client)
     return client, reconciler, now
@@ -529,3 +545,74 @@ async def test_degraded_never_reads_false_mid_pass_while_a_recreated_group_is_re
     await reconciler.reconcile("ns", "demo")
     assert len(seen) >= 2 and set(seen) == {"True"}, seen
     assert degraded()["reason"] == "FailedCreate"
+
+
+async def test_replicas_set_by_hand_while_a_sample_is_taken_are_not_overwritten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the HPA writes the Scale it read: `kubectl scale --replicas=0` during the scrape wins."""
+    import tessera_operator.reconcile as reconcile_module
+
+    client, reconciler, now = await running_autoscaled_cluster(monkeypatch, [20.0])
+
+    async def scaled_by_hand_meanwhile(leaders: Any, metric: str) -> list[float | None]:
+        await client.merge_patch(IC_PATH + "/scale", {"spec": {"replicas": 0}})
+        return [20.0 for _ in leaders]
+
+    monkeypatch.setattr(reconcile_module, "queue_depths", scaled_by_hand_meanwhile)
+    now[0] += 20
+    assert await reconciler.reconcile("ns", "demo") == 0.0  # look again at once
+    assert client.objects[IC_PATH]["spec"]["replicas"] == 0
+    assert not [e for e in client.events if e["reason"] in ("ScaledUp", "FailedScale")]
+    await reconciler.reconcile("ns", "demo")  # the object as it is now: parked at zero, left so
+    assert client.objects[IC_PATH]["spec"]["replicas"] == 0
+
+
+async def test_no_scale_is_decided_while_the_spec_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The groups run as the last accepted spec; its replicas are not the object's, so a decision
+    from them would be written again every sample and never take effect."""
+    client, reconciler, now = await running_autoscaled_cluster(monkeypatch, [20.0])
+    client.objects[IC_PATH]["spec"]["parallelism"] = {"tensor": 3, "pipeline": 2}  # 32 heads / 3
+    for _ in range(3):
+        now[0] += 20
+        await reconciler.reconcile("ns", "demo")
+    assert client.objects[IC_PATH]["spec"]["replicas"] == 1
+    assert not [c for c in client.calls if c[1].endswith("/scale")]
+    assert degraded(client)["reason"] == "InvalidSpec"
+
+
+async def test_a_wall_clock_stepped_back_does_not_stop_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tessera_operator.reconcile as reconcile_module
+
+    scrapes = []
+
+    async def depths(leaders: Any, metric: str) -> list[float | None]:
+        scrapes.append(metric)
+        return [0.0 for _ in leaders]
+
+    monkeypatch.setattr(reconcile_module, "queue_depths", depths)
+    client = fake_with_cluster(replicas=1, autoscaling={"enabled": True, "minReplicas": 1, "maxReplicas": 3})
+    wall, ticks = [10_000.0], [0.0]
+    reconciler = Reconciler(client, clock=lambda: wall[0], monotonic=lambda: ticks[0])  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    run_all(client)
+    wall[0] -= 600  # NTP steps the clock back ten minutes
+    for _ in range(4):
+        wall[0] += 20
+        ticks[0] += 20
+        await reconciler.reconcile("ns", "demo")
+    assert len(scrapes) >= 4
+
+
+@pytest.mark.parametrize("spec", [{"replicas": 1}, {"replicas": 2, "disruptionBudget": {"enabled": False}}])
+async def test_a_cluster_that_wants_no_budget_leaves_anothers_budget_of_its_name_alone(
+    spec: dict[str, Any],
+) -> None:
+    """Opting out of the operator's PodDisruptionBudget to keep one's own, named after the app."""
+    client = fake_with_cluster(**spec)
+    client.objects["/apis/policy/v1"] = {}
+    budget = "/apis/policy/v1/namespaces/ns/poddisruptionbudgets/demo"
+    client.objects[budget] = {"metadata": {"name": "demo", "namespace": "ns", "uid": "mine"}, "spec": {}}
+    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    assert degraded(client)["status"] == "False"
+    assert client.objects[budget]["metadata"]["uid"] == "mine"
