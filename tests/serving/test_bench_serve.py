@@ -78,6 +78,11 @@ async def test_timings_follow_chunks_with_choices_like_vllms_client(monkeypatch:
             '{"choices":[],"usage":{"completion_tokens":2}}',
         ],
         "usage-only": ['{"choices":[],"usage":{"completion_tokens":0}}'],
+        # Other servers' ways to fail mid-stream: each is one failed request, never the run's end.
+        "string-error": ['{"choices":[{"text":"a"}]}', '{"error":"model overloaded"}'],
+        "usage-without-count": ['{"choices":[{"text":"a"}]}', '{"choices":[],"usage":{"prompt_tokens":3}}'],
+        "not-json": ['{"choices":[{"text":"a"}]}', '{"choices": ['],
+        "not-an-object": ['["a"]'],
     }
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -98,6 +103,12 @@ async def test_timings_follow_chunks_with_choices_like_vllms_client(monkeypatch:
         clock[0] = 0.0
         ok = await stream_completion(session, url, "m", BenchRequest("empty-first", 1, 2), {})
         failed = await stream_completion(session, url, "m", BenchRequest("usage-only", 1, 2), {})
+        odd = {
+            name: await stream_completion(session, url, "m", BenchRequest(name, 1, 2), {})
+            for name in ("string-error", "usage-without-count", "not-json", "not-an-object")
+        }
+    assert odd["string-error"].error == "model overloaded"
+    assert all(not result.success and result.error for result in odd.values()), odd
     assert ok.success and ok.output_len == 2 and len(ok.itl_s) == 1
     assert ok.ttft_s == 1.0 and ok.itl_s == [1.0]  # the empty first token counts
     assert ok.latency_s == 2.0  # the last token's chunk, not the usage chunk (3) or [DONE]

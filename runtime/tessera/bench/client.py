@@ -54,8 +54,9 @@ async def stream_completion(
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = chunk["error"].get("message", "error")
+                if "error" in chunk:  # OpenAI's object, or another server's plain string
+                    error = chunk["error"]
+                    result.error = str(error.get("message", error) if isinstance(error, dict) else error)
                     return result
                 now = time.perf_counter()
                 # Any chunk with choices counts, even with empty text (a token ending inside a
@@ -67,12 +68,12 @@ async def stream_completion(
                         result.itl_s.append(now - last)
                     last = now
                 if chunk.get("usage"):
-                    result.output_len = chunk["usage"]["completion_tokens"]
+                    result.output_len = int(chunk["usage"].get("completion_tokens") or 0)
         if not last or result.output_len <= 0:
             result.error = "no tokens generated"
             return result
         result.latency_s = last - started
         result.success = True
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+    except Exception as exc:  # one odd answer fails its request, never the run (as vLLM's bench)
         result.error = repr(exc)
     return result
