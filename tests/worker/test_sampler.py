@@ -334,3 +334,9 @@ def test_seeds_that_differ_only_above_32_bits_draw_differently_and_small_seeds_a
 
     assert draws(1) != draws(2**32 + 1)  # torch's CPU generator alone keeps only the low 32 bits
     assert draws(2**40) != draws(2**41)
+    # A request's n choices take seed, seed + 1, ...: distinct streams from any seed, negative too
+    # (seed=-1 is many clients' "random"); and -k is not k - 1 in disguise.
+    for first in (-(2**63), -3, -1, 0, 2**32 - 2, 2**63 - 128):
+        assert len({generator_seed(first + i, cpu) for i in range(128)}) == 128
+    assert generator_seed(-1, cpu) != generator_seed(0, cpu)
+    assert generator_seed(-5, cpu) != generator_seed(4, cpu)

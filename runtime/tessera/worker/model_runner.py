@@ -56,14 +56,21 @@ class CachedRequestState:
         return self.token_ids[self.num_prompt_tokens :]
 
 
+# An odd multiplier (2**32 / the golden ratio): the high half moves the seed far from its neighbours.
+_HIGH_HALF_MULTIPLIER = 0x9E37_79B9
+
+
 def generator_seed(seed: int, device: torch.device) -> int:
     """The seed a request's generator takes. The CPU generator (mt19937) keeps only the low 32
-    bits, so seeds that differ above them would draw alike: the high half is folded in. Seeds
-    below 2**32 are unchanged, and CUDA's generator (Philox) keeps all 64 bits."""
+    bits, so seeds that differ above them would draw alike: the high half is folded in, times
+    an odd multiplier, so consecutive seeds (the `seed + i` of a request's n choices) stay
+    distinct also for negative seeds (an XOR fold maps -1 to 0 and -k to k - 1). Seeds below
+    2**32 are unchanged, and CUDA's generator (Philox) keeps all 64 bits."""
     if device.type == "cuda":
         return seed
     unsigned = seed & 0xFFFF_FFFF_FFFF_FFFF  # as torch reads a negative seed
-    return (unsigned ^ (unsigned >> 32)) & 0xFFFF_FFFF
+    low, high = unsigned & 0xFFFF_FFFF, unsigned >> 32
+    return (low + high * _HIGH_HALF_MULTIPLIER) & 0xFFFF_FFFF
 
 
 class ModelRunner:
