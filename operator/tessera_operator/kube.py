@@ -185,8 +185,9 @@ class KubeClient:
         params = {"labelSelector": label_selector} if label_selector else None
         return await self.request("GET", path, params=params)
 
-    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("POST", path, body=body)
+    async def create(self, path: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        """POST; with `dry_run` the API server validates and admits the object but stores nothing."""
+        return await self.request("POST", path, body=body, params={"dryRun": "All"} if dry_run else None)
 
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.request("PATCH", path, body=body, content_type="application/merge-patch+json")

@@ -24,9 +24,11 @@ from pydantic import ValidationError
 
 from tessera_operator import api, autoscaler, builders, naming
 from tessera_operator.api import AutoscalingStatus, InferenceClusterSpec, InferenceClusterStatus
+from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
 from tessera_operator.observe import Observation, controlled_by, is_orphan, is_orphaned, observe
 from tessera_operator.planner import Event, plan
+from tessera_operator.pod_dry_run import refused_pod_fields, sample_pods
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
 from tessera_operator.status import build_status, degraded_status, intent_status, merge_patch
@@ -65,6 +67,7 @@ class Reconciler:
         self.autoscale_interval = autoscale_interval
         # By cluster: a cluster deleted and made again under its name starts a history of its own.
         self._scale_histories: dict[builders.ClusterRef, autoscaler.History] = {}
+        self._pod_verdicts: dict[builders.ClusterRef, tuple[str, list[FieldError]]] = {}  # latest revision's
         self._policy_version: str | None = None  # of PodDisruptionBudgets, once discovered
         # Occurrences of each Event this process posted (by name, least recent first), so a
         # repeat bumps the count; bounded like client-go's correlator cache.
@@ -96,7 +99,7 @@ class Reconciler:
         now = self.clock()
 
         raw_spec = ic.get("spec") or {}
-        errors = validate_object(name, raw_spec, self.policy)
+        errors = validate_object(name, raw_spec, self.policy) or await self.pod_verdict(ref, raw_spec)
         # A refused spec does not stop the cluster: its groups run and are repaired at the cap
         # (too many replicas alone), or as the last accepted spec said.
         capped = capped_spec(raw_spec, errors, self.policy)
@@ -192,6 +195,24 @@ class Reconciler:
         waits = [w for w in (decision.requeue_after, next_sample) if w is not None]
         return min([*waits, self.resync_seconds])
 
+    async def pod_verdict(self, ref: builders.ClusterRef, raw_spec: dict[str, Any]) -> list[FieldError]:
+        """The API server's dry-run verdict on the pods of a valid spec's revision, asked once per
+        revision: a spec whose pods it refuses is held like any invalid spec, its groups untouched."""
+        try:
+            spec = InferenceClusterSpec.model_validate(raw_spec)
+            revision = builders.revision_of(spec)
+            pods = sample_pods(ref, spec, revision)
+        except Exception:  # a build error: the plan reports it (ReconcileError)
+            return []
+        known = self._pod_verdicts.get(ref)
+        if known is not None and known[0] == revision:
+            return known[1]
+        verdict = await refused_pod_fields(self.client, ref, revision, pods)
+        if verdict is None:  # no answer: the pods' own creates will say
+            return []
+        self._pod_verdicts[ref] = (revision, verdict)
+        return verdict
+
     def last_accepted(self, status: InferenceClusterStatus) -> InferenceClusterSpec | None:
         """The spec recorded as accepted, if this operator (its policy now included) still accepts it."""
         if not status.applied_spec:
@@ -204,8 +225,10 @@ class Reconciler:
 
     def _forget(self, namespace: str, name: str) -> None:
         """Drop what this process keeps about a cluster that is gone."""
-        for ref in [r for r in self._scale_histories if (r.namespace, r.name) == (namespace, name)]:
-            del self._scale_histories[ref]
+        caches: tuple[dict[builders.ClusterRef, Any], ...] = (self._scale_histories, self._pod_verdicts)
+        for cache in caches:
+            for ref in [r for r in cache if (r.namespace, r.name) == (namespace, name)]:
+                del cache[ref]
 
     async def autoscale(
         self,

@@ -35,9 +35,12 @@ import aiohttp
 import kopf
 
 from tessera_operator import api
+from tessera_operator.builders import ClusterRef, revision_of
 from tessera_operator.certs import SELF_SIGNED_DAYS, self_signed
 from tessera_operator.config import CONFIG, OperatorConfig
+from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import ApiError, KubeClient
+from tessera_operator.pod_dry_run import refused_pod_fields, sample_pods
 from tessera_operator.validation import validate_object
 
 log = logging.getLogger("tessera_operator.webhook")
@@ -53,7 +56,14 @@ _registered = False
 
 
 async def validate_inference_cluster(
-    spec: Any, name: str | None, body: Any, operation: str | None = None, old: Any = None, **_: Any
+    spec: Any,
+    name: str | None,
+    body: Any,
+    operation: str | None = None,
+    old: Any = None,
+    memo: Any = None,
+    namespace: str | None = None,
+    **_: Any,
 ) -> None:
     if operation not in OPERATIONS:  # a hand-written configuration may still send DELETE
         return
@@ -64,8 +74,21 @@ async def validate_inference_cluster(
     generate_name = (body.get("metadata") or {}).get("generateName")
     name = name or (generate_name + GENERATED_SUFFIX if generate_name else "generated")
     errors = validate_object(name, dict(spec), CONFIG.pod_policy)
+    client = (memo or {}).get("client")
+    if not errors and client is not None:  # the API server's own verdict on the pods it would make
+        errors = await pod_errors(client, name, namespace, body, spec)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors), code=422)
+
+
+async def pod_errors(
+    client: KubeClient, name: str, namespace: str | None, body: Any, spec: Any
+) -> list[FieldError]:
+    meta = body.get("metadata") or {}
+    ref = ClusterRef(name, meta.get("namespace") or namespace or "default", meta.get("uid") or "")
+    parsed = api.InferenceClusterSpec.model_validate(dict(spec))
+    revision = revision_of(parsed)
+    return await refused_pod_fields(client, ref, revision, sample_pods(ref, parsed, revision)) or []
 
 
 def watched(body: Any, namespaces: list[str]) -> bool:

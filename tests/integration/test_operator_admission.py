@@ -153,6 +153,10 @@ def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_name
                     {"template": {"resources": {"limits": {"memory": "1e400"}}}},
                     "spec.template.resources.limits",
                 ),
+                (  # only the API server's own pod validation knows this field path (a dry run)
+                    {"template": {"env": [{"name": "P", "valueFrom": {"fieldRef": {"fieldPath": "nope"}}}]}},
+                    "valueFrom.fieldRef.fieldPath",
+                ),
             ]
             for spec, field in cases:
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -74,6 +75,22 @@ def test_rolling_update_replaces_groups_one_at_a_time(crds: Any, k8s_namespace: 
         assert mixed, trace
         status = ic(cluster, ns, "smollm2")["status"]
         assert status["updatedReplicas"] == 2 and status["currentRevision"] == new
+
+        # An edit only the API server's pod validation refuses: held before any group goes down.
+        uids = {p["metadata"]["uid"] for p in pods(cluster, ns)}
+        env = [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.nope"}}}]
+        patch = json.dumps({"spec": {"template": {"env": env}}})
+        cluster.kubectl("patch", "ic", "smollm2", "-n", ns, "--type=merge", "-p", patch)
+        degraded = wait_for(
+            lambda: (
+                (c := condition(ic(cluster, ns, "smollm2"), "Degraded")).get("reason") == "InvalidSpec" and c
+            ),
+            "the refused pods reported",
+        )
+        assert "spec.template" in degraded["message"] and "fieldRef.fieldPath" in degraded["message"]
+        time.sleep(2)  # passes that would have started a rollout
+        assert {p["metadata"]["uid"] for p in pods(cluster, ns)} == uids
+        assert ic(cluster, ns, "smollm2")["status"]["readyReplicas"] == 2
 
 
 def test_one_replica_with_max_surge_one_keeps_serving_and_finishes(crds: Any, k8s_namespace: str) -> None:

@@ -77,16 +77,17 @@ def test_one_pass_without_a_webhook_reports_what_it_cannot_act_on(crds: Any, k8s
     [event] = warning_events(cluster, ns, "overflow")
     assert event["reason"] == "InvalidSpec" and "spec.engine.kvCacheMemory" in event["message"]
 
-    # A field path the operator does not judge: the API server refuses every pod with a 422.
+    # A field path the operator does not judge: the API server's dry run of a pod (under the
+    # chart's RBAC) refuses it, and the spec is held as invalid before any pod is made.
     where = {"name": "WHERE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.nowhere"}}}
     apply(cluster, ns, "refused", template={"env": [where]})
     one_pass(kubeconfig, ns, "refused")
     one_pass(kubeconfig, ns, "refused")
     degraded = condition(ic(cluster, ns, "refused"), "Degraded")
-    assert degraded["status"] == "True" and degraded["reason"] == "FailedCreate", degraded
-    assert "fieldRef.fieldPath" in degraded["message"] and "422" in degraded["message"]
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec", degraded
+    assert "spec.template" in degraded["message"] and "fieldRef.fieldPath" in degraded["message"]
     [event] = warning_events(cluster, ns, "refused")  # one Event, not one per pass
-    assert event["reason"] == "FailedCreate" and "fieldRef.fieldPath" in event["message"]
+    assert event["reason"] == "InvalidSpec" and "fieldRef.fieldPath" in event["message"]
     # Posted again (after a restart, or a POST retried after its answer was lost): the same object,
     # counted, under the chart's RBAC.
     ref = ClusterRef("refused", ns, ic(cluster, ns, "refused")["metadata"]["uid"])

@@ -24,6 +24,7 @@ class FakeClient:
         self.calls: list[tuple[str, str]] = []
         self.events: list[dict[str, Any]] = []
         self.refuse_pods: ApiError | None = None  # what the API server answers to a pod create
+        self.refuse_dry_run: ApiError | None = None  # ... and to a dry run of one
 
     async def get(self, path: str) -> dict[str, Any]:
         if path not in self.objects:
@@ -38,7 +39,12 @@ class FakeClient:
             if p.rsplit("/", 1)[0] == path and o["metadata"].get("labels", {}).get(key) == value
         ]
 
-    async def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def create(self, path: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        if dry_run:  # the API server's verdict on a pod: `refuse_dry_run` or valid
+            self.calls.append(("POST?dryRun", path))
+            if self.refuse_dry_run is not None:
+                raise self.refuse_dry_run
+            return body
         self.calls.append(("POST", path))
         if path.endswith("/events"):
             if any(e["metadata"]["name"] == body["metadata"]["name"] for e in self.events):
@@ -616,3 +622,44 @@ async def test_a_cluster_that_wants_no_budget_leaves_anothers_budget_of_its_name
     await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
     assert degraded(client)["status"] == "False"
     assert client.objects[budget]["metadata"]["uid"] == "mine"
+
+
+async def test_a_revision_whose_pods_the_api_server_refuses_is_held_before_any_group_goes_down() -> None:
+    """Pass-through pod fields pass the operator's outline checks; a dry run asks the API server
+    once per revision, and a refusal holds the running groups as an invalid spec would."""
+    client = fake_with_cluster(replicas=2)
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    run_all(client)
+    await reconciler.reconcile("ns", "demo")
+    dry_runs = [c for c in client.calls if c[0] == "POST?dryRun"]
+    assert len(dry_runs) == 2  # a leader and a worker, for the one revision, once
+    running = {p: o["metadata"]["uid"] for p, o in client.objects.items() if "/pods/" in p}
+
+    cause = {
+        "field": "spec.containers[0].env[9].valueFrom.fieldRef.fieldPath",
+        "message": "Unsupported value",
+    }
+    client.refuse_dry_run = ApiError(422, {"message": "Pod is invalid", "details": {"causes": [cause]}})
+    env = [{"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.nope"}}}]
+    client.objects[IC_PATH]["spec"]["template"] = {"env": env}
+    for _ in range(2):
+        await reconciler.reconcile("ns", "demo")
+    assert degraded(client)["reason"] == "InvalidSpec"
+    assert "spec.template: the API server refuses the rank pods" in degraded(client)["message"]
+    assert "env[9].valueFrom.fieldRef.fieldPath: Unsupported value" in degraded(client)["message"]
+    assert {p: o["metadata"]["uid"] for p, o in client.objects.items() if "/pods/" in p} == running
+    assert len([c for c in client.calls if c[0] == "POST?dryRun"]) == 3  # asked once more, not per pass
+
+    client.refuse_dry_run = ApiError(503, {"message": "a policy webhook is down"})  # no verdict
+    client.objects[IC_PATH]["spec"]["template"] = {"env": [{"name": "A", "value": "1"}]}
+    await reconciler.reconcile("ns", "demo")
+    assert degraded(client)["status"] == "False"  # the rollout goes on; creates will say
+
+
+async def test_a_new_cluster_whose_pods_the_api_server_refuses_creates_none() -> None:
+    client = fake_with_cluster()
+    client.refuse_dry_run = ApiError(400, "Pod in version v1 cannot be handled as a Pod: readObjectStart")
+    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    assert degraded(client)["reason"] == "InvalidSpec" and "readObjectStart" in degraded(client)["message"]
+    assert pod_names(client) == []

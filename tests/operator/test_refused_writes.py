@@ -73,7 +73,9 @@ async def loaded_autoscaled_cluster(
     autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2}
     client = refusing_cluster(replicas=1, autoscaling=autoscaling)
     now = [1000.0]
-    reconciler = Reconciler(client, resync_seconds=30, clock=lambda: now[0], autoscale_interval=15)  # type: ignore[arg-type]
+    reconciler = Reconciler(
+        client, resync_seconds=30, clock=lambda: now[0], monotonic=lambda: now[0], autoscale_interval=15
+    )  # type: ignore[arg-type]
     await reconciler.reconcile("ns", "demo")  # creates the pods; no leader Ready, no sample
     run_all(client)
     assert client.objects[IC_PATH]["spec"]["replicas"] == 1 and len(pod_names(client)) == 4

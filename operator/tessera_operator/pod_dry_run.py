@@ -1,0 +1,73 @@
+"""The API server's own verdict on a revision's pods, asked with a server-side dry run.
+
+The CRD keeps what the spec passes into pods (volumes, env sources, affinity, ...) free-form, and
+`validation.py` checks its outline only: Kubernetes' full pod validation, and the namespace's
+admission policies (LimitRanges, policy webhooks), run when a pod is created. Creating one leader
+and one worker of a revision with `dryRun=All` first turns a pod the API server would refuse into
+an invalid spec naming the pod's field, before a rollout deletes a running group that nothing
+could then replace.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+
+from tessera_operator import builders
+from tessera_operator.api import InferenceClusterSpec
+from tessera_operator.fielderror import FieldError
+from tessera_operator.kube import ApiError, KubeClient, core_path
+
+log = logging.getLogger("tessera_operator.pod_dry_run")
+# A pod the API server cannot decode (400) or finds invalid (422). Not 403: a quota exceeded
+# now may fit once a rollout's old group is gone.
+REFUSED_STATUSES = (400, 422)
+MAX_CAUSES = 5
+
+
+def sample_pods(ref: builders.ClusterRef, spec: InferenceClusterSpec, revision: str) -> list[dict[str, Any]]:
+    """A leader and (if the group has one) a worker of the revision, under generated names (a
+    running pod of the same name would otherwise answer 409) and owned by nothing (an object
+    being admitted may have no uid yet)."""
+    group = builders.build_group(ref, spec, revision, 0)
+    samples = group[:1] + group[1:][-1:]
+    for pod in samples:
+        meta = pod["metadata"]
+        meta["generateName"] = meta.pop("name") + "-"
+        meta.pop("ownerReferences", None)
+    return samples
+
+
+def refusal_errors(exc: ApiError) -> list[FieldError]:
+    """The API server's causes, each naming the pod field at fault."""
+    body: dict[str, Any] = exc.body if isinstance(exc.body, dict) else {"message": str(exc.body)}
+    causes = (body.get("details") or {}).get("causes") or []
+    named = [
+        f"{c['field']}: {c.get('message', '')}" if c.get("field") else str(c.get("message", ""))
+        for c in causes[:MAX_CAUSES]
+    ]
+    details = "; ".join(named) or str(body.get("message", exc))
+    return [FieldError("spec.template", f"the API server refuses the rank pods made from it: {details}")]
+
+
+async def refused_pod_fields(
+    client: KubeClient, ref: builders.ClusterRef, revision: str, pods: list[dict[str, Any]]
+) -> list[FieldError] | None:
+    """Why the API server would refuse this revision's `sample_pods` ([] when it takes them), or
+    None when it could not say (unreachable, a policy webhook down): best effort, never a
+    blocked repair."""
+    path = core_path(ref.namespace, "pods")
+    for pod in pods:
+        try:
+            await client.create(path, pod, dry_run=True)
+        except ApiError as exc:
+            if exc.status in REFUSED_STATUSES:
+                return refusal_errors(exc)
+            log.warning("%s/%s: no dry run of revision %s's pods: %s", ref.namespace, ref.name, revision, exc)
+            return None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("%s/%s: no dry run of revision %s's pods: %s", ref.namespace, ref.name, revision, exc)
+            return None
+    return []
