@@ -42,22 +42,12 @@ class ModelShape:
         return None
 
 
-SMOLLM2_135M = ModelShape(
-    num_layers=30,
-    num_attention_heads=9,
-    num_kv_heads=3,
-    intermediate_size=1536,
-    head_dim=64,
-    max_context=8192,
-)
-LLAMA_31_70B = ModelShape(
-    num_layers=80,
-    num_attention_heads=64,
-    num_kv_heads=8,
-    intermediate_size=28672,
-    head_dim=128,
-    max_context=131072,
-)
+# From each model's config.json: layers, attention heads, key/value heads, MLP width, head
+# dimension, max_position_embeddings.
+SMOLLM2_135M = ModelShape(30, 9, 3, 1536, 64, 8192)
+SMOLLM2_360M = ModelShape(32, 15, 5, 2560, 64, 8192)
+LLAMA_31_8B = ModelShape(32, 32, 8, 14336, 128, 131072)
+LLAMA_31_70B = ModelShape(80, 64, 8, 28672, 128, 131072)
 LLAMA_3_70B = dataclasses.replace(LLAMA_31_70B, max_context=8192)
 
 # Keys are lower-case; a source matches by its full text or its last path component
@@ -66,22 +56,8 @@ KNOWN_MODELS: dict[str, ModelShape] = {
     "smollm2": SMOLLM2_135M,
     "smollm2-135m": SMOLLM2_135M,
     "smollm2-135m-instruct": SMOLLM2_135M,
-    "smollm2-360m-instruct": ModelShape(
-        num_layers=32,
-        num_attention_heads=15,
-        num_kv_heads=5,
-        intermediate_size=2560,
-        head_dim=64,
-        max_context=8192,
-    ),
-    "llama-3.1-8b-instruct": ModelShape(
-        num_layers=32,
-        num_attention_heads=32,
-        num_kv_heads=8,
-        intermediate_size=14336,
-        head_dim=128,
-        max_context=131072,
-    ),
+    "smollm2-360m-instruct": SMOLLM2_360M,
+    "llama-3.1-8b-instruct": LLAMA_31_8B,
     "llama-3.1-70b-instruct": LLAMA_31_70B,
     "llama-3.3-70b-instruct": LLAMA_31_70B,
     "meta-llama-3-70b-instruct": LLAMA_3_70B,
