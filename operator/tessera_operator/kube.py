@@ -133,10 +133,12 @@ class KubeClient:
         body: Any = None,
         params: dict[str, str] | None = None,
         content_type: str = "application/json",
+        attempts: int = 5,
     ) -> dict[str, Any]:
+        """One call; a 429 or 5xx is tried again, up to `attempts` times in all."""
         session = await self.session()
         data = None if body is None else json.dumps(body)
-        for attempt in range(5):
+        for attempt in range(attempts):
             headers = {**self._headers(), "Accept": "application/json"}
             if data is not None:
                 headers["Content-Type"] = content_type
@@ -150,7 +152,7 @@ class KubeClient:
                     payload: dict[str, Any] | str = json.loads(text)
                 except ValueError:
                     payload = text
-                if response.status in RETRYABLE and attempt < 4:
+                if response.status in RETRYABLE and attempt < attempts - 1:
                     retry_after = float(response.headers.get("Retry-After", "0") or 0)
                     await asyncio.sleep(max(retry_after, 0.2 * 2**attempt))
                     continue
@@ -186,8 +188,11 @@ class KubeClient:
         return await self.request("GET", path, params=params)
 
     async def create(self, path: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
-        """POST; with `dry_run` the API server validates and admits the object but stores nothing."""
-        return await self.request("POST", path, body=body, params={"dryRun": "All"} if dry_run else None)
+        """POST; with `dry_run` the API server validates and admits the object but stores nothing
+        (asked once: a question, not a write that must land)."""
+        if dry_run:
+            return await self.request("POST", path, body=body, params={"dryRun": "All"}, attempts=1)
+        return await self.request("POST", path, body=body)
 
     async def merge_patch(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.request("PATCH", path, body=body, content_type="application/merge-patch+json")

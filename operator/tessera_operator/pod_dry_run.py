@@ -10,6 +10,7 @@ could then replace.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -24,6 +25,11 @@ log = logging.getLogger("tessera_operator.pod_dry_run")
 # A pod the API server cannot decode (400) or finds invalid (422). Not 403: a quota exceeded
 # now may fit once a rollout's old group is gone.
 REFUSED_STATUSES = (400, 422)
+# ... except the 400 of a pod webhook that cannot take dry runs (sideEffects Unknown, the
+# default of admissionregistration v1beta1): the real create would pass it.
+NO_DRY_RUN_MESSAGE = "does not support dry run"
+# Well inside the webhook's own 10 s: a slow policy webhook must not fail a valid object closed.
+DRY_RUN_TIMEOUT_S = 5.0
 MAX_CAUSES = 5
 
 
@@ -56,18 +62,28 @@ async def refused_pod_fields(
     client: KubeClient, ref: builders.ClusterRef, revision: str, pods: list[dict[str, Any]]
 ) -> list[FieldError] | None:
     """Why the API server would refuse this revision's `sample_pods` ([] when it takes them), or
-    None when it could not say (unreachable, a policy webhook down): best effort, never a
-    blocked repair."""
+    None when it could not say (unreachable, slow, a policy webhook down or unable to dry-run):
+    best effort, never a blocked repair. The pods are asked at once, each once, within
+    DRY_RUN_TIMEOUT_S."""
     path = core_path(ref.namespace, "pods")
-    for pod in pods:
-        try:
-            await client.create(path, pod, dry_run=True)
-        except ApiError as exc:
-            if exc.status in REFUSED_STATUSES:
-                return refusal_errors(exc)
-            log.warning("%s/%s: no dry run of revision %s's pods: %s", ref.namespace, ref.name, revision, exc)
-            return None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("%s/%s: no dry run of revision %s's pods: %s", ref.namespace, ref.name, revision, exc)
-            return None
+    try:
+        async with asyncio.timeout(DRY_RUN_TIMEOUT_S):
+            answers = await asyncio.gather(
+                *(client.create(path, pod, dry_run=True) for pod in pods), return_exceptions=True
+            )
+    except TimeoutError:
+        answers = [TimeoutError(f"no answer within {DRY_RUN_TIMEOUT_S:g} s")]
+    failures = [a for a in answers if isinstance(a, BaseException)]
+    refusals = [f for f in failures if isinstance(f, ApiError) and is_refusal(f)]
+    if refusals:
+        return refusal_errors(refusals[0])
+    for failure in failures:
+        if not isinstance(failure, ApiError | aiohttp.ClientError | TimeoutError):
+            raise failure
+        log.warning("%s/%s: no dry run of revision %s's pods: %s", ref.namespace, ref.name, revision, failure)
+        return None
     return []
+
+
+def is_refusal(exc: ApiError) -> bool:
+    return exc.status in REFUSED_STATUSES and NO_DRY_RUN_MESSAGE not in str(exc)

@@ -67,7 +67,8 @@ class Reconciler:
         self.autoscale_interval = autoscale_interval
         # By cluster: a cluster deleted and made again under its name starts a history of its own.
         self._scale_histories: dict[builders.ClusterRef, autoscaler.History] = {}
-        self._pod_verdicts: dict[builders.ClusterRef, tuple[str, list[FieldError]]] = {}  # latest revision's
+        # The latest revision's dry-run verdict, and when it was asked (monotonic).
+        self._pod_verdicts: dict[builders.ClusterRef, tuple[str, list[FieldError], float]] = {}
         self._policy_version: str | None = None  # of PodDisruptionBudgets, once discovered
         # Occurrences of each Event this process posted (by name, least recent first), so a
         # repeat bumps the count; bounded like client-go's correlator cache.
@@ -99,7 +100,9 @@ class Reconciler:
         now = self.clock()
 
         raw_spec = ic.get("spec") or {}
-        errors = validate_object(name, raw_spec, self.policy) or await self.pod_verdict(ref, raw_spec)
+        errors = validate_object(name, raw_spec, self.policy)
+        refused_pods = [] if errors else await self.pod_verdict(ref, raw_spec)
+        errors = errors or refused_pods
         # A refused spec does not stop the cluster: its groups run and are repaired at the cap
         # (too many replicas alone), or as the last accepted spec said.
         capped = capped_spec(raw_spec, errors, self.policy)
@@ -109,7 +112,9 @@ class Reconciler:
             await self.report(ic_path, ref, previous, degraded_status(
                 previous, generation, "InvalidSpec", problems, now
             ))  # fmt: skip
-            return None
+            # An edit brings a spec the rules refused back (its watch event); the API server's
+            # refusal may lift by itself (a policy changed): asked again at the resync.
+            return self.resync_seconds if refused_pods else None
 
         selector = naming.selector_string(naming.cluster_selector(name))
         pods, services = await asyncio.gather(
@@ -196,21 +201,25 @@ class Reconciler:
         return min([*waits, self.resync_seconds])
 
     async def pod_verdict(self, ref: builders.ClusterRef, raw_spec: dict[str, Any]) -> list[FieldError]:
-        """The API server's dry-run verdict on the pods of a valid spec's revision, asked once per
-        revision: a spec whose pods it refuses is held like any invalid spec, its groups untouched."""
+        """The API server's dry-run verdict on the pods of a valid spec's revision: a spec whose
+        pods it refuses is held like any invalid spec, its groups untouched. Pods it takes are
+        taken for good (asked once per revision); a refusal is asked again after a resync."""
         try:
             spec = InferenceClusterSpec.model_validate(raw_spec)
             revision = builders.revision_of(spec)
             pods = sample_pods(ref, spec, revision)
         except Exception:  # a build error: the plan reports it (ReconcileError)
             return []
+        tick = self.monotonic()
         known = self._pod_verdicts.get(ref)
         if known is not None and known[0] == revision:
-            return known[1]
+            _, refusal, asked = known
+            if not refusal or tick - asked < self.resync_seconds:
+                return refusal
         verdict = await refused_pod_fields(self.client, ref, revision, pods)
         if verdict is None:  # no answer: the pods' own creates will say
             return []
-        self._pod_verdicts[ref] = (revision, verdict)
+        self._pod_verdicts[ref] = (revision, verdict, tick)
         return verdict
 
     def last_accepted(self, status: InferenceClusterStatus) -> InferenceClusterSpec | None:

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from tessera_operator import kube
 from tessera_operator.kube import KubeClient
+from tests.fixtures.loopback_http import serving
 
 
 async def test_open_watches_leave_the_request_pool_free() -> None:
@@ -105,3 +106,27 @@ async def test_a_kubeconfig_exec_plugins_token_is_fetched_again(
 def test_the_token_loses_its_scheme_whatever_the_loaders_case(auth: str) -> None:
     # The in-cluster loader writes "bearer ": sent as "Bearer bearer ..." every request was a 401.
     assert kube._bearer_token(SimpleNamespace(api_key={"authorization": auth})) == "jwt-abc"
+
+
+async def test_a_dry_run_is_asked_once_and_a_create_is_retried_on_5xx() -> None:
+    """A dry run is a question inside someone's admission deadline (the webhook's 10 s): a 503 is
+    its answer, not a reason to wait and ask four more times as a write that must land does."""
+    seen: list[str] = []
+
+    async def pods(request: web.Request) -> web.Response:
+        seen.append(request.query.get("dryRun", "-"))
+        return web.json_response({"message": "unavailable"}, status=503)
+
+    app = web.Application()
+    app.router.add_post("/pods", pods)
+    async with serving(app) as port:
+        client = KubeClient(f"http://127.0.0.1:{port}", None, False)
+        try:
+            with pytest.raises(kube.ApiError):
+                await client.create("/pods", {"kind": "Pod"}, dry_run=True)
+            assert seen == ["All"]
+            with pytest.raises(kube.ApiError):
+                await client.create("/pods", {"kind": "Pod"})
+            assert seen[1:] == ["-"] * 5
+        finally:
+            await client.close()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
+import time
 from typing import Any
 
 import pytest
@@ -649,7 +651,7 @@ async def test_a_revision_whose_pods_the_api_server_refuses_is_held_before_any_g
     assert "spec.template: the API server refuses the rank pods" in degraded(client)["message"]
     assert "env[9].valueFrom.fieldRef.fieldPath: Unsupported value" in degraded(client)["message"]
     assert {p: o["metadata"]["uid"] for p, o in client.objects.items() if "/pods/" in p} == running
-    assert len([c for c in client.calls if c[0] == "POST?dryRun"]) == 3  # asked once more, not per pass
+    assert len([c for c in client.calls if c[0] == "POST?dryRun"]) == 4  # asked once more, not per pass
 
     client.refuse_dry_run = ApiError(503, {"message": "a policy webhook is down"})  # no verdict
     client.objects[IC_PATH]["spec"]["template"] = {"env": [{"name": "A", "value": "1"}]}
@@ -657,9 +659,54 @@ async def test_a_revision_whose_pods_the_api_server_refuses_is_held_before_any_g
     assert degraded(client)["status"] == "False"  # the rollout goes on; creates will say
 
 
-async def test_a_new_cluster_whose_pods_the_api_server_refuses_creates_none() -> None:
+async def test_a_new_cluster_whose_pods_the_api_server_refuses_creates_none_until_it_takes_them() -> None:
+    """A refusal may lift by itself (a policy webhook's rule changed): asked again at the resync."""
     client = fake_with_cluster()
     client.refuse_dry_run = ApiError(400, "Pod in version v1 cannot be handled as a Pod: readObjectStart")
-    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    ticks = [0.0]
+    reconciler = Reconciler(client, resync_seconds=30, clock=lambda: 1000.0, monotonic=lambda: ticks[0])  # type: ignore[arg-type]
+    assert await reconciler.reconcile("ns", "demo") == 30
     assert degraded(client)["reason"] == "InvalidSpec" and "readObjectStart" in degraded(client)["message"]
     assert pod_names(client) == []
+    client.refuse_dry_run = None
+    await reconciler.reconcile("ns", "demo")  # within the resync: the refusal stands
+    assert pod_names(client) == []
+    ticks[0] += 30
+    await reconciler.reconcile("ns", "demo")
+    assert len(pod_names(client)) == 4 and degraded(client)["status"] == "False"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [  # the API server's 400 for a pod webhook with sideEffects Unknown (v1beta1's default)
+        ApiError(400, {"message": 'admission webhook "legacy.example.com" does not support dry run'}),
+        ApiError(503, {"message": "a policy webhook is down"}),
+        ApiError(403, {"message": 'pods "x" is forbidden: exceeded quota: q'}),  # may fit later
+    ],
+)
+async def test_a_dry_run_that_cannot_judge_the_pods_is_no_refusal(answer: ApiError) -> None:
+    client = fake_with_cluster()
+    client.refuse_dry_run = answer
+    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    assert len(pod_names(client)) == 4 and degraded(client)["status"] == "False"
+
+
+async def test_a_dry_run_with_no_answer_in_time_is_no_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow pod webhook must not hold a webhook of ours past the API server's 10 s, failing a
+    valid object closed."""
+    from tessera_operator import pod_dry_run
+
+    monkeypatch.setattr(pod_dry_run, "DRY_RUN_TIMEOUT_S", 0.05)
+    client = fake_with_cluster()
+    create = client.create
+
+    async def slow(path: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        if dry_run:
+            await asyncio.sleep(5)
+        return await create(path, body, dry_run=dry_run)
+
+    client.create = slow  # type: ignore[method-assign]
+    started = time.monotonic()
+    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2
+    assert len(pod_names(client)) == 4
