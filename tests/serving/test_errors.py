@@ -125,7 +125,11 @@ def test_extras_that_ask_for_nothing_pass_and_text_parts_join_by_line(server: Se
 
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
     harmless = {"echo": False, "use_beam_search": False, "length_penalty": 1.0, "priority": 0}
+    harmless |= {"chat_template_kwargs": {}, "documents": []}  # empty: asks for nothing, as null
     assert prompt_tokens(parts, **harmless) == prompt_tokens("Hello\nthere") != prompt_tokens("Hellothere")
+    # An assistant's refusal (an SDK replays it) and the Responses API's parts are text too.
+    refusal = [{"type": "refusal", "refusal": "Hello"}, {"type": "output_text", "text": "there"}]
+    assert prompt_tokens(refusal) == prompt_tokens("Hello\nthere")
 
 
 def test_malformed_json_is_400(server: ServerProcess) -> None:

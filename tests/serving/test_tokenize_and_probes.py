@@ -4,6 +4,7 @@ that is not JSON refused by its media type."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -47,6 +48,31 @@ def test_tokenize_renders_a_conversation_through_the_chat_template(
     body = post(server, "/tokenize", {"messages": messages}).json()
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert body["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
+    # OpenAI's deprecated function-result role renders as the template says (vLLM takes it too).
+    replayed = [*messages, {"role": "function", "name": "f", "content": "42"}]
+    body = post(server, "/tokenize", {"messages": replayed, "add_generation_prompt": False}).json()
+    text = tokenizer.apply_chat_template(replayed, tokenize=False, add_generation_prompt=False)
+    assert body["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
+    # A null `messages` is no messages: the prompt form.
+    assert post(server, "/tokenize", {"prompt": "hi", "messages": None}).json()["count"] > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "value"),
+    [
+        ("continue_final_message", True),
+        ("chat_template", "{{ messages }}"),
+        ("chat_template_kwargs", {"enable_thinking": True}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ],
+)
+def test_tokenize_refuses_template_extras_it_would_not_apply(
+    server: ServerProcess, extra: str, value: Any
+) -> None:
+    """As /v1/chat/completions does: a count of another prompt than the one asked about is wrong."""
+    body = {"messages": [{"role": "user", "content": "hi"}], extra: value}
+    error = assert_openai_error(post(server, "/tokenize", body), 400)
+    assert error["param"] == extra
 
 
 def test_tokenize_refuses_bad_input_by_name_and_needs_the_key(server: ServerProcess) -> None:

@@ -48,6 +48,18 @@ class RequestModel(OpenAIModel):
     for the fields in `null_kept`, where vLLM gives null a meaning of its own."""
 
     null_kept: ClassVar[frozenset[str]] = frozenset()
+    # Declared fields Tessera does not implement, each with the value that asks for nothing.
+    unsupported_extras: ClassVar[dict[str, Any]] = {}
+
+    def refuse_unsupported_extras(self) -> None:
+        """A 400 naming the first extra asked for: a client would otherwise trust an effect that
+        never happened. An empty object or list asks for nothing, as null does."""
+        for name, harmless in self.unsupported_extras.items():
+            value = getattr(self, name)
+            if value is None or value == harmless or (isinstance(value, dict | list) and not value):
+                continue
+            hint = " (completions: echo with logprobs scores the prompt)" if name == "prompt_logprobs" else ""
+            raise InvalidParameterError(name, f"{name} is not supported{hint}")
 
     @model_validator(mode="before")
     @classmethod
@@ -131,13 +143,14 @@ UNSUPPORTED_VLLM_EXTRAS: dict[str, Any] = {
     "spaces_between_special_tokens": True,
     "truncation_side": None,
 }
-UNSUPPORTED_CHAT_EXTRAS: dict[str, Any] = {
-    "echo": False,
+# What a chat's template would be given (vLLM's): the model's own template renders it as is.
+UNSUPPORTED_TEMPLATE_EXTRAS: dict[str, Any] = {
     "continue_final_message": False,
     "chat_template": None,
     "chat_template_kwargs": None,
     "documents": None,
 }
+UNSUPPORTED_CHAT_EXTRAS: dict[str, Any] = {"echo": False, **UNSUPPORTED_TEMPLATE_EXTRAS}
 
 
 class SamplingFields(RequestModel):
@@ -206,14 +219,7 @@ class SamplingFields(RequestModel):
     ) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options", "stream_options can only be given with stream=true")
-        for name, harmless in self.unsupported_extras.items():
-            if getattr(self, name) not in (None, harmless):
-                hint = (
-                    " (completions: echo with logprobs scores the prompt)"
-                    if name == "prompt_logprobs"
-                    else ""
-                )
-                raise InvalidParameterError(name, f"{name} is not supported{hint}")
+        self.refuse_unsupported_extras()
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             kind = self.response_format.get("type")
             raise InvalidParameterError(
@@ -340,15 +346,26 @@ class CompletionResponse(OpenAIModel):
 # --- /v1/chat/completions ----------------------------------------------------------------
 
 
+# Content part types that hold text, and the field holding it: OpenAI's chat parts, an
+# assistant's refusal (an SDK replaying a conversation sends it back), the Responses API's.
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 class ContentPart(RequestModel):
     """One part of a message's content; only text parts can be served (the models read text)."""
 
     type: str
     text: str | None = None
+    refusal: str | None = None
+
+    def part_text(self) -> str | None:
+        field = TEXT_PARTS.get(self.type)
+        return None if field is None else getattr(self, field)
 
 
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles, its deprecated `function` among them, and Llama 3's `ipython` (vLLM's too).
+    role: Literal["system", "developer", "user", "assistant", "tool", "function", "ipython"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # A conversation's tool-call history: the chat template renders it (vLLM passes both on).
@@ -358,10 +375,10 @@ class ChatMessage(RequestModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        texts = [part.text for part in self.content if part.type == "text" and part.text is not None]
+        texts = [text for part in self.content if (text := part.part_text()) is not None]
         if len(texts) < len(self.content):
             kinds = sorted(
-                {part.type for part in self.content if part.type != "text"} or {"text without text"}
+                {part.type for part in self.content if part.type not in TEXT_PARTS} or {"text without text"}
             )
             raise InvalidParameterError("messages", f"content part type {kinds[0]!r} is not supported")
         return "\n".join(texts)  # vLLM joins text parts by line
@@ -518,12 +535,21 @@ class TokenizeChatRequest(RequestModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template already holds the special tokens it wants
     return_token_strs: bool = False
+    # Declared so that asking for them is refused, never a count of another prompt than asked.
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    tools: Any = None
+    unsupported_extras: ClassVar[dict[str, Any]] = UNSUPPORTED_TEMPLATE_EXTRAS | {"tools": None}
 
 
 def _tokenize_form(body: Any) -> str:
     """A body with messages is the chat form: its mistakes are reported as the chat form's, not as
-    the prompt form's missing prompt."""
-    chat = (isinstance(body, dict) and "messages" in body) or isinstance(body, TokenizeChatRequest)
+    the prompt form's missing prompt. A null `messages` is no messages, as null is the default."""
+    chat = (isinstance(body, dict) and body.get("messages") is not None) or isinstance(
+        body, TokenizeChatRequest
+    )
     return "TokenizeChatRequest" if chat else "TokenizeCompletionRequest"
 
 

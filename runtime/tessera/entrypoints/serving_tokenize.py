@@ -25,6 +25,7 @@ async def tokenize(
     ctx.check_model(body.model)
     engine = ctx.engine
     if isinstance(body, TokenizeChatRequest):
+        body.refuse_unsupported_extras()
         ctx.limits.check_chat(len(body.messages))
         text = await render_chat_prompt(ctx, template_messages(body.messages), body.add_generation_prompt)
         param = "messages"
