@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,21 +108,53 @@ def differences(value: Any, baseline: Any, sparse: Any = None) -> Any:
     return value if sparse is None else sparse
 
 
-def revision_of(spec: InferenceClusterSpec) -> str:
+def revision_of(spec: InferenceClusterSpec, running: Iterable[str] = ()) -> str:
     """Stable hash of the pod-affecting spec: equal specs give equal revisions across restarts.
 
     Only what differs from REVISION_BASELINE counts: an operator release that adds a defaulted
     field, changes a default or changes how pods are built must not roll every cluster at once.
     Its pods reach running clusters as their groups are recreated, or with the next change of
-    their spec.
+    their spec. Spellings no pod can tell apart count as one (`pod_equivalent`): an edit to one
+    rolls nothing. Pods already labelled with the hash of the spec as written (as releases before
+    that rule hashed it) stay current: `running` holds the running pods' revisions.
     """
     wire = spec.model_dump(by_alias=True, mode="json")
     sparse = spec.model_dump(by_alias=True, mode="json", exclude_defaults=True)
+    revision = _digest(pod_equivalent(wire), sparse)
+    as_written = _digest(wire, sparse)
+    return as_written if as_written in set(running) else revision
+
+
+def _digest(wire: dict[str, Any], sparse: dict[str, Any]) -> str:
     relevant = {
         key: differences(wire[key], REVISION_BASELINE[key], sparse.get(key)) for key in pod_affecting_keys()
     }
-    digest = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()
-    return digest[:10]
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def pod_equivalent(wire: dict[str, Any]) -> dict[str, Any]:
+    """The spec as its pods tell it: a value that builds the same pods as the baseline's reads as
+    the baseline's (a served name equal to the source, an empty object, a GPU resource name with
+    no GPUs, placement with one rank per stage)."""
+    wire = copy.deepcopy(wire)
+    model, engine, template = wire["model"], wire["engine"], wire["template"]
+    baseline = REVISION_BASELINE
+    if model["servedName"] == model["source"]:
+        model["servedName"] = None
+    if engine["samplingDefaults"] is not None and not any(
+        value is not None for value in engine["samplingDefaults"].values()
+    ):
+        engine["samplingDefaults"] = None
+    for key in ("resources", "affinity"):
+        if not template[key]:
+            template[key] = None
+    if template["gpusPerRank"] == 0:
+        template["gpuResourceName"] = baseline["template"]["gpuResourceName"]
+    if wire["parallelism"]["tensor"] == 1:  # no stage has ranks to keep together
+        wire["placement"] = dict(baseline["placement"])
+    elif wire["placement"]["mode"] == "none":
+        wire["placement"]["topologyKey"] = baseline["placement"]["topologyKey"]
+    return wire
 
 
 def pod_affecting_keys() -> list[str]:

@@ -165,6 +165,11 @@ class Observation:
     strays: list[str]  # controlled by this cluster, but not a pod it would create: removed
 
 
+def running_revisions(pods: Iterable[dict[str, Any]]) -> set[str]:
+    """The revisions the pods are labelled with."""
+    return {p["metadata"].get("labels", {}).get(naming.REVISION_LABEL, "") for p in pods}
+
+
 def controlled_by(pod: dict[str, Any], uid: str) -> bool:
     """Whether the pod's controller is the object with this uid (a label anyone can set; this not)."""
     owners = pod["metadata"].get("ownerReferences") or []

@@ -26,7 +26,14 @@ from tessera_operator import api, autoscaler, builders, naming
 from tessera_operator.api import AutoscalingStatus, InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
-from tessera_operator.observe import Observation, controlled_by, is_orphan, is_orphaned, observe
+from tessera_operator.observe import (
+    Observation,
+    controlled_by,
+    is_orphan,
+    is_orphaned,
+    observe,
+    running_revisions,
+)
 from tessera_operator.planner import Event, plan
 from tessera_operator.pod_dry_run import refused_pod_fields, sample_pods
 from tessera_operator.podpolicy import PodPolicy
@@ -124,7 +131,7 @@ class Reconciler:
         pods = await self.adopt_orphans(ref, pods)
         try:  # pure: an exception here is a bug or a spec the rules missed, never transient
             spec = fallback or InferenceClusterSpec.model_validate(raw_spec)
-            revision = builders.revision_of(spec)
+            revision = builders.revision_of(spec, running_revisions(pods))
             observation = observe(name, ref.uid, pods)
             prior = {g.index: g for g in previous.groups}
             decision = plan(spec, revision, observation, prior, now)

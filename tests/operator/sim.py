@@ -10,7 +10,7 @@ from typing import Any
 
 from tessera_operator import builders
 from tessera_operator.api import InferenceClusterSpec, InferenceClusterStatus
-from tessera_operator.observe import observe
+from tessera_operator.observe import observe, running_revisions
 from tessera_operator.planner import Plan, plan
 from tessera_operator.status import build_status
 
@@ -35,7 +35,7 @@ class Sim:
         self.last: Plan = Plan()
 
     def step(self) -> Plan:
-        revision = builders.revision_of(self.spec)
+        revision = builders.revision_of(self.spec, running_revisions(self.pods.values()))
         obs = observe(REF.name, REF.uid, self.pods.values())
         prior = {g.index: g for g in self.status.groups}
         decision = plan(self.spec, revision, obs, prior, self.now)

@@ -159,6 +159,45 @@ def test_revision_changes_with_pod_affecting_fields_only() -> None:
     assert base == builders.revision_of(spec_of(**explicit_defaults))
 
 
+ONE_RANK_A_STAGE = {"parallelism": {"tensor": 1, "pipeline": 2}}
+
+
+@pytest.mark.parametrize(
+    ("edited", "plain"),
+    [
+        ({"model": {"source": "llama-3.1-8b-instruct", "servedName": "llama-3.1-8b-instruct"}}, {}),
+        ({"template": {"resources": {}}}, {}),
+        ({"template": {"affinity": {}}}, {}),
+        ({"engine": {"samplingDefaults": {}}}, {}),
+        ({"template": {"gpuResourceName": "amd.com/gpu"}}, {}),  # no GPUs asked for
+        ({**ONE_RANK_A_STAGE, "placement": {"mode": "required"}}, ONE_RANK_A_STAGE),
+        ({"placement": {"mode": "none", "topologyKey": "zone"}}, {"placement": {"mode": "none"}}),
+    ],
+)
+def test_an_edit_that_builds_the_same_pods_keeps_the_revision(
+    edited: dict[str, Any], plain: dict[str, Any]
+) -> None:
+    """As a Deployment rolls only when its pod template changes: making a default explicit, or a
+    chart writing `resources: {}`, must not reload every group's model."""
+    revision = builders.revision_of(spec_of(**plain))
+    assert builders.revision_of(spec_of(**edited)) == revision
+    ref = builders.ClusterRef("demo", "ns", "uid")
+    pods = builders.build_group(ref, spec_of(**edited), revision, 0)
+    assert pods == builders.build_group(ref, spec_of(**plain), revision, 0)
+
+
+def test_pods_labelled_with_the_spec_as_written_stay_current() -> None:
+    """Releases before the equivalences hashed `resources: {}` apart: their pods are not rolled."""
+    spec = spec_of(template={"resources": {}})
+    as_written = builders._digest(
+        spec.model_dump(by_alias=True, mode="json"),
+        spec.model_dump(by_alias=True, mode="json", exclude_defaults=True),
+    )
+    assert builders.revision_of(spec) != as_written
+    assert builders.revision_of(spec, running={as_written}) == as_written
+    assert builders.revision_of(spec, running={"0123456789"}) == builders.revision_of(spec)
+
+
 def test_a_release_that_changes_a_default_keeps_the_stored_objects_revisions(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
