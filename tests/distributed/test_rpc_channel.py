@@ -166,3 +166,61 @@ def test_a_message_up_to_the_channels_limit_arrives_and_a_larger_one_fails_at_it
     finally:
         link.close()
         channel.close()
+
+
+def test_a_replacement_rank_whose_first_word_is_a_heartbeat_fails_the_group(tmp_path) -> None:
+    """A restarted rank process (docker restart, a supervisor) may be pinged before it says HELLO,
+    and answer PONG as if it were the dead one: the instance it names tells them apart."""
+    failures: list[str] = []
+    addr = f"ipc://{tmp_path}/rpc"
+    channel = rpc.LeaderChannel([addr], 2, lambda *_: None, failures.append).start()
+    context = zmq.Context()
+    first = rank_peer(context, addr, 1)
+    replacement = None
+    try:
+        first.send_multipart([b"HELLO", serialization.encode({"rank": 1, "instance": "first"})])
+        first.send_multipart([b"PONG", serialization.encode({"rank": 1, "instance": "first"})])
+        deadline = time.monotonic() + 10
+        while channel.instances.get(1) != "first":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert failures == []
+        first.close(0)  # killed
+        replacement = rank_peer(context, addr, 1)
+        replacement.send_multipart([b"PONG", serialization.encode({"rank": 1, "instance": "second"})])
+        while not failures:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert failures == ["rank 1 restarted (a new process joined): its group must restart as a whole"]
+    finally:
+        for peer in (first, replacement):
+            if peer is not None:
+                peer.close(0)
+        context.term()
+        channel.close()
+
+
+def test_a_rank_that_joined_is_watched_with_the_startup_allowance_until_ready() -> None:
+    """A rank that dies while it loads fails the group within STARTUP_SILENCE_S, not at the
+    startup timeout (15 min) meant for pods that have not arrived."""
+    from tessera.executor.distributed import DistributedExecutor
+
+    class Channel:
+        def __init__(self) -> None:
+            self.watched: dict[int, float] = {}
+            self.sent: list[bytes] = []
+
+        def watch(self, rank: int, silence_s: float = rpc.HEARTBEAT_TIMEOUT_S) -> None:
+            self.watched[rank] = silence_s
+
+        def send(self, ranks: list[int], kind: bytes, payload: object) -> None:
+            self.sent.append(kind)
+
+    executor = DistributedExecutor.__new__(DistributedExecutor)
+    channel = Channel()
+    executor.channel, executor.world_size, executor._instances, executor._welcome = channel, 2, {}, {}  # type: ignore[assignment]
+    executor._on_hello(1, "a")
+    assert channel.watched == {1: rpc.STARTUP_SILENCE_S} and channel.sent == []
+    executor._on_hello(1, "a")  # HELLO repeated until the leader answers: nothing new
+    executor._on_hello(0, "b")
+    assert channel.sent == [rpc.WELCOME] and channel.watched[0] == rpc.STARTUP_SILENCE_S

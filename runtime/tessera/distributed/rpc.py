@@ -88,9 +88,13 @@ class LeaderChannel:
         self._outbox.connect(self._wake_addr)
         self._send_lock = threading.Lock()
         self.last_seen: dict[int, float] = {}
-        # Ranks held to the heartbeat deadline: those that finished starting (loading a model can
-        # starve a busy machine's threads for seconds; startup has its own timeout).
-        self.watched: set[int] = set()
+        # Ranks held to a silence deadline, and its length: the heartbeat timeout once started,
+        # STARTUP_SILENCE_S from joining until then (loading a model can starve a busy machine's
+        # threads for seconds), none before joining (startup has its own timeout).
+        self.watched: dict[int, float] = {}
+        # Each rank's process, by the instance its first HELLO or PONG named: a heartbeat from
+        # another process under the same rank is a rank restarted, never a rank alive.
+        self.instances: dict[int, str] = {}
         self._closed = threading.Event()
         self._failed = False  # on_failure runs once
         self._thread = threading.Thread(target=self._loop, name="rank-channel", daemon=True)
@@ -107,10 +111,10 @@ class LeaderChannel:
         with self._send_lock:
             self._outbox.send_multipart([b",".join(str(r).encode() for r in ranks), kind, data])
 
-    def watch(self, rank: int) -> None:
-        """Hold ``rank`` to the heartbeat deadline from now on."""
+    def watch(self, rank: int, silence_s: float = HEARTBEAT_TIMEOUT_S) -> None:
+        """Hold ``rank`` to a deadline of ``silence_s`` without a message, from now on."""
         self.last_seen[rank] = time.monotonic()
-        self.watched.add(rank)
+        self.watched[rank] = silence_s
 
     def broadcast(self, kind: bytes, payload: Any) -> None:
         self.send(list(range(self.world_size)), kind, payload)
@@ -143,11 +147,10 @@ class LeaderChannel:
             if now >= next_ping:
                 next_ping = now + HEARTBEAT_INTERVAL_S
                 self._forward(list(self.last_seen), PING, serialization.encode(None))
-            silent = [r for r in self.watched if now - self.last_seen.get(r, now) > HEARTBEAT_TIMEOUT_S]
+            silent = [r for r, limit in self.watched.items() if now - self.last_seen.get(r, now) > limit]
             if silent:
-                self._fail(
-                    f"rank {silent[0]} stopped answering (no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s)"
-                )
+                limit = self.watched[silent[0]]
+                self._fail(f"rank {silent[0]} stopped answering (no heartbeat for {limit:.0f} s)")
 
     def _fail(self, reason: str) -> None:
         if not self._failed:
@@ -181,6 +184,10 @@ class LeaderChannel:
             return
         if not 0 <= rank < self.world_size:
             logger.warning("rank channel: message from rank %d outside a world of %d", rank, self.world_size)
+            return
+        instance = payload.get("instance") if kind in (HELLO, PONG) and isinstance(payload, dict) else None
+        if instance is not None and self.instances.setdefault(rank, str(instance)) != str(instance):
+            self._fail(f"rank {rank} restarted (a new process joined): its group must restart as a whole")
             return
         self.last_seen[rank] = time.monotonic()
         if kind == PONG:

@@ -185,15 +185,16 @@ class DistributedExecutor(Executor):
             self._fail(f"rank {rank} failed:\n{payload.get('error', '')}")
 
     def _on_hello(self, rank: int, instance: str) -> None:
-        known = self._instances.get(rank)
-        if known is None:
-            self._instances[rank] = instance
-            if len(self._instances) == self.world_size:
-                # Every rank is here: only now does the rendezvous start, so no rank waits in it
-                # (bounded by the collective timeout) for a pod still pulling its image.
-                self.channel.send(list(range(self.world_size)), rpc.WELCOME, self._welcome)
-        elif known != instance:
-            self._fail(f"rank {rank} restarted (a new process joined): its group must restart as a whole")
+        """A rank joined (a replacement of a rank under another instance fails in the channel)."""
+        if rank in self._instances:
+            return
+        self._instances[rank] = instance
+        # A rank that dies while it loads fails the group now, not at the startup timeout.
+        self.channel.watch(rank, rpc.STARTUP_SILENCE_S)
+        if len(self._instances) == self.world_size:
+            # Every rank is here: only now does the rendezvous start, so no rank waits in it
+            # (bounded by the collective timeout) for a pod still pulling its image.
+            self.channel.send(list(range(self.world_size)), rpc.WELCOME, self._welcome)
 
     def _on_result(self, rank: int, payload: dict[str, Any]) -> None:
         with self._lock:
