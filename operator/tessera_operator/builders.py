@@ -121,8 +121,10 @@ def revision_of(spec: InferenceClusterSpec, running: Iterable[str] = ()) -> str:
     wire = spec.model_dump(by_alias=True, mode="json")
     sparse = spec.model_dump(by_alias=True, mode="json", exclude_defaults=True)
     revision = _digest(pod_equivalent(wire), sparse)
-    as_written = _digest(wire, sparse)
-    return as_written if as_written in set(running) else revision
+    running = set(running)
+    if running and revision not in running and (as_written := _digest(wire, sparse)) in running:
+        return as_written
+    return revision
 
 
 def _digest(wire: dict[str, Any], sparse: dict[str, Any]) -> str:

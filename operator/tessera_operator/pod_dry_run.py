@@ -59,13 +59,14 @@ def refusal_errors(exc: ApiError) -> list[FieldError]:
 
 
 async def refused_pod_fields(
-    client: KubeClient, ref: builders.ClusterRef, revision: str, pods: list[dict[str, Any]]
+    client: KubeClient, ref: builders.ClusterRef, spec: InferenceClusterSpec, revision: str
 ) -> list[FieldError] | None:
     """Why the API server would refuse this revision's `sample_pods` ([] when it takes them), or
     None when it could not say (unreachable, slow, a policy webhook down or unable to dry-run):
     best effort, never a blocked repair. The pods are asked at once, each once, within
     DRY_RUN_TIMEOUT_S."""
     path = core_path(ref.namespace, "pods")
+    pods = sample_pods(ref, spec, revision)
     try:
         async with asyncio.timeout(DRY_RUN_TIMEOUT_S):
             answers = await asyncio.gather(

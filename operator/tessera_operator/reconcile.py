@@ -35,7 +35,7 @@ from tessera_operator.observe import (
     running_revisions,
 )
 from tessera_operator.planner import Event, plan
-from tessera_operator.pod_dry_run import refused_pod_fields, sample_pods
+from tessera_operator.pod_dry_run import refused_pod_fields
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.queue_metrics import queue_depths
 from tessera_operator.status import build_status, degraded_status, intent_status, merge_patch
@@ -211,19 +211,18 @@ class Reconciler:
         """The API server's dry-run verdict on the pods of a valid spec's revision: a spec whose
         pods it refuses is held like any invalid spec, its groups untouched. Pods it takes are
         taken for good (asked once per revision); a refusal is asked again after a resync."""
-        try:
-            spec = InferenceClusterSpec.model_validate(raw_spec)
-            revision = builders.revision_of(spec)
-            pods = sample_pods(ref, spec, revision)
-        except Exception:  # a build error: the plan reports it (ReconcileError)
-            return []
+        spec = InferenceClusterSpec.model_validate(raw_spec)  # valid: validate_object passed it
+        revision = builders.revision_of(spec)
         tick = self.monotonic()
         known = self._pod_verdicts.get(ref)
         if known is not None and known[0] == revision:
             _, refusal, asked = known
             if not refusal or tick - asked < self.resync_seconds:
                 return refusal
-        verdict = await refused_pod_fields(self.client, ref, revision, pods)
+        try:
+            verdict = await refused_pod_fields(self.client, ref, spec, revision)
+        except Exception:  # a build error: the plan below reports it (ReconcileError)
+            return []
         if verdict is None:  # no answer: the pods' own creates will say
             return []
         self._pod_verdicts[ref] = (revision, verdict, tick)

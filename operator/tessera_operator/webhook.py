@@ -40,7 +40,7 @@ from tessera_operator.certs import SELF_SIGNED_DAYS, self_signed
 from tessera_operator.config import CONFIG, OperatorConfig
 from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import ApiError, KubeClient
-from tessera_operator.pod_dry_run import refused_pod_fields, sample_pods
+from tessera_operator.pod_dry_run import refused_pod_fields
 from tessera_operator.validation import validate_object
 
 log = logging.getLogger("tessera_operator.webhook")
@@ -87,8 +87,7 @@ async def pod_errors(
     meta = body.get("metadata") or {}
     ref = ClusterRef(name, meta.get("namespace") or namespace or "default", meta.get("uid") or "")
     parsed = api.InferenceClusterSpec.model_validate(dict(spec))
-    revision = revision_of(parsed)
-    return await refused_pod_fields(client, ref, revision, sample_pods(ref, parsed, revision)) or []
+    return await refused_pod_fields(client, ref, parsed, revision_of(parsed)) or []
 
 
 def watched(body: Any, namespaces: list[str]) -> bool:
