@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.kernels import gemm_selection
-from tessera.kernels.gemm import BACKENDS, AtenWeight, candidates, pack_gated_panels
+from tessera.kernels.gemm import BACKENDS, GATED_KERNELS, AtenWeight, candidates, pack_gated_panels
 from tessera.models.layers.activation import silu_and_mul
 from tessera.models.layers.linear import (
     ColumnParallelLinear,
@@ -56,6 +56,9 @@ def test_every_backend_multiplies_like_f_linear(backend: str, dtype: torch.dtype
 
 
 PANEL_DTYPES = [dtype for dtype in TOLERANCE if "panels" in backend_names(dtype)]
+# The backends that take SwiGLU into their GEMM's epilogue, with each dtype they multiply here.
+GATED_CASES = [(name, dtype) for dtype in TOLERANCE for name in GATED_KERNELS if name in backend_names(dtype)]
+AMX = "amx" in backend_names(torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=[str(d)[6:] for d in PANEL_DTYPES])
@@ -115,20 +118,20 @@ def swiglu_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.silu(F.linear(x.float(), gate)) * F.linear(x.float(), up)
 
 
-@pytest.mark.parametrize("dtype", PANEL_DTYPES, ids=[str(d)[6:] for d in PANEL_DTYPES])
-def test_gated_panels_give_the_unfused_swiglu_bit_for_bit(dtype: torch.dtype) -> None:
-    """The activation in the GEMM's epilogue: widths around the gated panels' 24 (AVX-512) or 8
-    (AVX2) outputs, so the last panel is short by 1 or most of its columns; row counts around
-    the tiles. The result equals plain panels followed by the activation pass exactly (the
-    factors are rounded to the dtype first, as that pass reads them), and the fp32 reference
-    within tolerance."""
+@pytest.mark.parametrize(("backend", "dtype"), GATED_CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in GATED_CASES])
+def test_gated_panels_give_the_unfused_swiglu_bit_for_bit(backend: str, dtype: torch.dtype) -> None:
+    """The activation in the GEMM's epilogue: widths around the gated panels' outputs (24 on
+    AVX-512, 8 on AVX2, 16 on AMX), so the last panel is short by 1 or most of its columns; row
+    counts around the tiles. The result equals the backend's plain panels followed by the
+    activation pass exactly (the factors are rounded to the dtype first, as that pass reads
+    them), and the fp32 reference within tolerance."""
     generator = torch.Generator().manual_seed(0)
-    plain = BACKENDS["panels"]
-    for width in (1, 7, 8, 9, 23, 24, 25, 40, 100):
+    plain = BACKENDS[backend]
+    for width in (1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 40, 100):
         for in_features in (6, 64):
             weight = (torch.randn(2 * width, in_features, generator=generator) * 2).to(dtype)
-            gated, unfused = pack_gated_panels(weight), plain.pack(weight)
-            for rows in (1, 5, 8, 9, 17, 65, 300):
+            gated, unfused = pack_gated_panels(weight, backend), plain.pack(weight)
+            for rows in (1, 5, 8, 9, 17, 33, 65, 300):
                 x = torch.randn(rows, in_features, generator=generator).to(dtype)
                 got = gated.silu_and_mul(x)
                 assert got.dtype == dtype and got.shape == (rows, width)
@@ -142,12 +145,50 @@ def test_gated_panels_give_the_unfused_swiglu_bit_for_bit(dtype: torch.dtype) ->
                 assert torch.equal(got[-1:], gated.silu_and_mul(x[-1:]))
 
 
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX (or the kernels were built without it)")
+def test_amx_gemm_covers_short_panels_padded_inputs_row_tiles_and_blocks() -> None:
+    """Output widths that leave the last 32-column panel short, input widths that are not whole
+    32-input steps (padded with zeros), row counts around the 16-row tiles and 32-row pairs, and
+    inputs tall enough for several blocks of rows (224 rows at 576 inputs); a transposed view as
+    input. Every row's sums are its own: batching never changes a token."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = ((1, 6), (31, 64), (33, 80), (100, 576), (64, 7), (50, 1536))
+    for out_features, in_features in shapes:
+        weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+        bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)
+        packed = BACKENDS["amx"].pack(weight)
+        assert packed.data.shape == (-(-out_features // 32), -(-in_features // 32) * 32 * 32)
+        for rows in (1, 15, 16, 17, 31, 32, 33, 48, 64, 65, 500):
+            x = torch.randn(in_features, rows, generator=generator).to(torch.bfloat16).t()
+            for with_bias in (None, bias):
+                expected = F.linear(x.float(), weight.float(), None if with_bias is None else bias.float())
+                got = packed.matmul(x, with_bias)
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+                torch.testing.assert_close(got.float(), expected, atol=0.2, rtol=2e-2)
+                assert torch.equal(got[-1:], packed.matmul(x[-1:], with_bias))
+                assert torch.equal(got[:1], packed.matmul(x[:1], with_bias))
+
+
+def test_amx_gemm_is_a_candidate_exactly_where_the_cpu_has_amx() -> None:
+    """AMX panels multiply bf16 only, and only where the kernels were built with AMX and Linux
+    granted the tile state; fp32 never goes through them."""
+    from tessera.kernels import cpu_kernels
+
+    ops = cpu_kernels()
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    assert (ops is not None and ops.amx_gemm_available()) == AMX
+    if AMX:
+        assert "amx_bf16" in flags
+    assert "amx" not in backend_names(torch.float32)
+
+
 @pytest.mark.parametrize(("backend", "dtype"), CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
 def test_silu_gated_layer_matches_aten_on_every_backend(
     backend: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SwiGLU's gate_up layer, a tensor-parallel shard of it, on each backend: the panels take
-    the activation into their epilogue (without a bias), every other backend runs it after."""
+    """SwiGLU's gate_up layer, a tensor-parallel shard of it, on each backend: the panels (and
+    the AMX panels) take the activation into their epilogue (without a bias), every other backend
+    runs it after."""
     monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, backend)
     x = torch.randn(9, 64).to(dtype)
     for bias in (False, True):
@@ -159,7 +200,7 @@ def test_silu_gated_layer_matches_aten_on_every_backend(
         )
         expected = silu_and_mul(gate_up)
         process_weights_after_loading(layer)
-        fused = backend == "panels" and not bias
+        fused = backend in GATED_KERNELS and not bias
         assert (layer.gated_weight is not None) == fused
         assert (layer.packed_weight is None) == fused
         got = layer(x)

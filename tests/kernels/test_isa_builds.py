@@ -1,7 +1,7 @@
 """The native kernels compile for every x86 instruction-set level the project runs on.
 
 A machine builds the kernels with ``-march=native`` and so compiles, and tests, only its own
-variant of ``csrc/``: AVX-512 with or without AVX512-BF16, AVX2, or neither (``panel_gemm.h``'s
+variant of ``csrc/``: AVX-512 with AMX, with or without AVX512-BF16, AVX2, or neither (``panel_gemm.h``'s
 ``#if`` ladder). An edit made on one machine kind could break the build of another, whose
 machines would then quietly run every layer through ATen. So each variant is compiled here (not
 run: this CPU may lack the instructions) with the real build's flags, ``-march=native`` replaced.
@@ -30,6 +30,8 @@ pytestmark = [
 
 # GCC 12 has no znver4/5: their AVX-512 is Ice Lake's plus AVX512-BF16.
 ISA_VARIANTS = {
+    # Xeons with AMX (Sapphire Rapids on): bf16 also through the AMX panels (amx_gemm.h)
+    "amx": ["-march=sapphirerapids"],
     # EPYC Genoa and Turin: the 48-column panels, bf16 through vdpbf16ps
     "avx512-bf16": ["-march=icelake-server", "-mavx512bf16"],
     # Skylake-SP to Ice Lake: AVX-512 without bf16 dot products (bf16 weights use other backends)

@@ -2,8 +2,8 @@
 
 Which library is fastest depends on the CPU (vendor, generation, ISA), the shape and the dtype:
 MKL's packed sgemm wins on some Xeons, oneDNN's prepacked blocked layout on others, Tessera's
-own panel GEMM (``csrc/panel_gemm.h``, AVX-512 or AVX2) on EPYC Genoa and Milan, plain ATen for
-some shapes. ``gemm_selection`` measures them on the machine; this module only holds the
+own panel GEMM (``csrc/panel_gemm.h``, AVX-512 or AVX2) on EPYC Genoa and Milan, its AMX panels
+(``csrc/amx_gemm.h``) for bf16 on Xeons with AMX, plain ATen for some shapes. ``gemm_selection`` measures them on the machine; this module only holds the
 candidates.
 """
 
@@ -89,20 +89,37 @@ class PanelPackedWeight(NativePackedWeight):
         return (may_pad_rows,)
 
 
+class AmxPackedWeight(NativePackedWeight):
+    """bf16 through Tessera's AMX GEMM (``csrc/amx_gemm.h``: 32-column panels of AMX B tiles);
+    the packed copy is the weight's size, padded to whole panels and to K a multiple of 32."""
+
+    backend = "amx"
+    pack_function, linear_function = "amx_pack_weight", "amx_linear"
+
+
 class GatedPanelWeight:
     """SwiGLU's gate_up weight (``[2W, K]``, gate rows over up rows) in gated panels: each register
-    tile holds the gate and the up sums of the same outputs, and the GEMM's epilogue writes
-    ``silu(x @ gate.T) * (x @ up.T)`` (``csrc/panel_gemm.h``'s ``GatedRows``), so the ``[M, 2W]``
-    projection is never written out and read back. Rounding matches the unfused pass exactly."""
+    (or AMX) tile holds the gate and the up sums of the same outputs, and the GEMM's epilogue writes
+    ``silu(x @ gate.T) * (x @ up.T)`` (``csrc/panel_gemm.h``'s ``GatedRows``, ``csrc/amx_gemm.h``'s),
+    so the ``[M, 2W]`` projection is never written out and read back. Rounding matches the unfused
+    pass exactly."""
 
-    def __init__(self, weight: torch.Tensor, ops: ModuleType) -> None:
+    def __init__(self, weight: torch.Tensor, ops: ModuleType, backend: str = "panels") -> None:
         self.width = weight.shape[0] // 2
-        self.data = ops.panel_pack_gated_weight(weight.contiguous())
-        self.kernel: Callable[..., torch.Tensor] = ops.panel_linear_silu_mul
+        pack, kernel = GATED_KERNELS[backend]
+        self.data = getattr(ops, pack)(weight.contiguous())
+        self.kernel: Callable[..., torch.Tensor] = getattr(ops, kernel)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         return self.kernel(rows, self.data, self.width).view(*x.shape[:-1], self.width)
+
+
+# The backends whose GEMM takes SwiGLU into its epilogue: their gated pack and multiply functions.
+GATED_KERNELS = {
+    "panels": ("panel_pack_gated_weight", "panel_linear_silu_mul"),
+    "amx": ("amx_pack_gated_weight", "amx_linear_silu_mul"),
+}
 
 
 class OneDnnPackedWeight(PackedWeight):
@@ -177,13 +194,26 @@ def _pack_panels(weight: torch.Tensor) -> PackedWeight:
     return PanelPackedWeight(weight, ops)
 
 
-def pack_gated_panels(weight: torch.Tensor) -> GatedPanelWeight:
-    """A SwiGLU gate_up weight in gated panels (where the panel GEMM multiplies it: see ``_panel_ops``)."""
-    ops = _panel_ops(weight)
-    assert ops is not None, (
-        f"the panel GEMM cannot multiply a {weight.dtype} {tuple(weight.shape)} weight here"
-    )
-    return GatedPanelWeight(weight, ops)
+def _amx_ops(weight: torch.Tensor) -> ModuleType | None:
+    """The native kernels when their AMX GEMM multiplies ``weight`` here (bf16 on a CPU with AMX)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return None
+    ops = native_ops(weight.device)
+    return ops if ops is not None and ops.amx_gemm_available() else None
+
+
+def _pack_amx(weight: torch.Tensor) -> PackedWeight:
+    ops = _amx_ops(weight)
+    assert ops is not None, f"the AMX GEMM cannot multiply a {weight.dtype} weight here"
+    return AmxPackedWeight(weight, ops)
+
+
+def pack_gated_panels(weight: torch.Tensor, backend: str = "panels") -> GatedPanelWeight:
+    """A SwiGLU gate_up weight in the gated panels of ``backend`` (one of GATED_KERNELS, where it
+    multiplies the weight: see ``_panel_ops``, ``_amx_ops``)."""
+    ops = _amx_ops(weight) if backend == "amx" else _panel_ops(weight)
+    assert ops is not None, f"{backend} cannot multiply a {weight.dtype} {tuple(weight.shape)} weight here"
+    return GatedPanelWeight(weight, ops, backend)
 
 
 BACKENDS: dict[str, GemmBackend] = {
@@ -202,6 +232,7 @@ BACKENDS: dict[str, GemmBackend] = {
         ),
         GemmBackend("onednn", _onednn_supports, OneDnnPackedWeight),
         GemmBackend("panels", lambda w: w.device.type == "cpu" and _panel_ops(w) is not None, _pack_panels),
+        GemmBackend("amx", lambda w: _amx_ops(w) is not None, _pack_amx),
     )
 }
 

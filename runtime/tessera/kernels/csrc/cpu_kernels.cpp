@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "amx_gemm.h"
 #include "panel_gemm.h"
 
 using namespace tessera;
@@ -575,6 +576,130 @@ torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64
 #endif
 }
 
+// Whether the AMX GEMM (amx_gemm.h) runs here: built for a CPU with AMX-BF16, and the tile state
+// granted to this process.
+bool amx_gemm_available() {
+#if defined(TESSERA_AMX)
+  return amx::request_tile_state();
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+void check_amx(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(amx_gemm_available(), "the AMX GEMM does not run on this CPU");
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, ": the AMX GEMM multiplies bf16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-D tensor");
+}
+
+// The AMX panels of weight [rows, K]: [count, padded K * 32] bf16, column c of panel p
+// multiplying row row_of(p, c).
+template <typename RowOf>
+torch::Tensor pack_amx_panels(const torch::Tensor& weight, int64_t count, const RowOf& row_of) {
+  check_amx(weight, "weight");
+  const int64_t k = weight.size(1), k_padded = amx::padded_k(k);
+  torch::Tensor packed = torch::empty({count, k_padded * amx::kCols}, weight.options());
+  const auto* source = static_cast<const uint16_t*>(weight.data_ptr());
+  auto* out = static_cast<uint16_t*>(packed.data_ptr());
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t panel = begin; panel < end; ++panel)
+      amx::pack_panel(source, k, panel, row_of, out + panel * k_padded * amx::kCols);
+  });
+  return packed;
+}
+
+#if defined(TESSERA_AMX)
+
+// The SwiGLU epilogue of gated AMX panels: a row's sums hold the gate (columns 0-15) and the up
+// projection (16-31) of its 16 outputs, rounded to bf16 first as the unfused pass reads them.
+struct AmxSiluMulRow {
+  static constexpr int64_t kOutCols = amx::kTileRows;
+  void operator()(uint16_t* y, const float* sums, int64_t live, const float*) const {
+    using E = c10::BFloat16;
+    const fvec out = silu_mul<E>(roundv_to<E>(loadv(sums)), roundv_to<E>(loadv(sums + amx::kTileRows)));
+    amx::store_bf16(y, reinterpret_cast<__m512>(out), live);
+  }
+};
+
+#endif
+
+// y [M, n] = the epilogue's outputs of x [M, K] times count AMX panels, plus bias when non-empty.
+template <typename Epilogue>
+torch::Tensor multiply_amx_panels(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t count,
+                                  const torch::Tensor& bias, const Epilogue& epilogue) {
+  check_amx(x, "x");
+  const int64_t m = x.size(0), k = x.size(1), k_padded = amx::padded_k(k);
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 2 && packed.size(0) == count &&
+                  packed.size(1) == k_padded * amx::kCols,
+              "the packed weight does not hold ", count, " AMX panels of ", k, " inputs");
+  torch::Tensor fp32_bias;  // the sums are fp32: the bias is widened once per call
+  if (bias.numel() > 0) {
+    TORCH_CHECK(bias.numel() == n, "bias must have ", n, " elements");
+    fp32_bias = bias.reshape({n}).to(torch::kFloat32).contiguous();
+  }
+  torch::Tensor out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+  // Tiles read whole steps of 32 inputs and blocks of 16 rows: x is padded with zeros to both.
+  const int64_t m_padded = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
+  torch::Tensor input = x;
+  if (m_padded != m || k_padded != k) {
+    input = torch::zeros({m_padded, k_padded}, x.options());
+    input.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  }
+#if defined(TESSERA_AMX)
+  const auto* in = static_cast<const uint16_t*>(input.data_ptr());
+  const auto* weights = static_cast<const uint16_t*>(packed.data_ptr());
+  auto* y = static_cast<uint16_t*>(out.data_ptr());
+  const float* bias_data = bias.numel() > 0 ? fp32_bias.data_ptr<float>() : nullptr;
+  const amx::Work work(m, k_padded, count, at::get_num_threads());
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), work.items));
+  std::atomic<int64_t> claimed{0};
+#pragma omp parallel num_threads(threads)
+  {
+    amx::configure_tiles();  // tile configuration is per thread
+    for (int64_t item = claimed.fetch_add(1, std::memory_order_relaxed); item < work.items;
+         item = claimed.fetch_add(1, std::memory_order_relaxed))
+      amx::multiply_item(work, item, in, k_padded, weights, n, count, bias_data, y, epilogue);
+    _tile_release();
+  }
+#endif
+  return out;
+}
+
+}  // namespace
+
+// bf16 weight [N, K] -> its AMX panels, [ceil(N / 32), padded K * 32].
+torch::Tensor amx_pack_weight(torch::Tensor weight) {
+  return pack_amx_panels(weight, amx::panel_count(weight.size(0)), amx::PlainRows{weight.size(0)});
+}
+
+// x [M, K] times a weight packed by amx_pack_weight ([N, K] before), plus bias [N] when non-empty.
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias) {
+#if defined(TESSERA_AMX)
+  return multiply_amx_panels(x, packed, n, amx::panel_count(n), bias, amx::StoreRow{});
+#else
+  TORCH_CHECK(false, "the AMX GEMM does not run on this CPU");
+#endif
+}
+
+// A SwiGLU gate_up weight [2W, K] (gate rows over up rows) -> gated AMX panels (amx::GatedRows).
+torch::Tensor amx_pack_gated_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "a gate_up weight has an even number of rows");
+  const int64_t width = weight.size(0) / 2;
+  return pack_amx_panels(weight, amx::gated_panel_count(width), amx::GatedRows{width});
+}
+
+// silu(x @ gate.T) * (x @ up.T) [M, W] with a weight packed by amx_pack_gated_weight.
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t width) {
+#if defined(TESSERA_AMX)
+  return multiply_amx_panels(x, packed, width, amx::gated_panel_count(width), torch::empty({0}), AmxSiluMulRow{});
+#else
+  TORCH_CHECK(false, "the AMX GEMM does not run on this CPU");
+#endif
+}
+
 // Pins thread t of the OpenMP pool (the one torch, MKL and these kernels share; the caller is
 // thread 0) to cpus[t]. libgomp keeps a team's threads for later regions of the same size, so
 // the pinning lasts while torch's thread count stays len(cpus). Whether each pin took.
@@ -601,6 +726,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention over a paged KV cache (prefill, decode, mixed)", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, with the residual add fused in when a residual is given", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
+  m.def("amx_gemm_available", &amx_gemm_available, "whether the AMX GEMM runs on this CPU");
+  m.def("amx_pack_weight", &amx_pack_weight, "pack a bf16 [N, K] weight into AMX panels", nogil);
+  m.def("amx_linear", &amx_linear, "x @ weight.T (+ bias) with an AMX-packed weight", nogil);
+  m.def("amx_pack_gated_weight", &amx_pack_gated_weight, "pack a bf16 [2W, K] gate_up weight into gated AMX panels", nogil);
+  m.def("amx_linear_silu_mul", &amx_linear_silu_mul, "silu(x @ gate.T) * (x @ up.T) with gated AMX panels", nogil);
   m.def("panel_gemm_dtypes", &panel_gemm_dtypes, "the dtypes panel_linear multiplies on this CPU");
   m.def("panel_pack_weight", &panel_pack_weight, "pack an [N, K] weight into column panels", nogil);
   m.def("panel_linear", &panel_linear, "x @ weight.T (+ bias) with a panel-packed weight", py::arg("x"),
