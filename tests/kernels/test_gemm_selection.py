@@ -152,7 +152,7 @@ def test_amx_gemm_covers_short_panels_padded_inputs_row_tiles_and_blocks() -> No
     inputs tall enough for several blocks of rows (224 rows at 576 inputs); a transposed view as
     input. Every row's sums are its own: batching never changes a token."""
     generator = torch.Generator().manual_seed(0)
-    shapes = ((1, 6), (31, 64), (33, 80), (100, 576), (64, 7), (50, 1536))
+    shapes = ((1, 6), (31, 64), (33, 80), (49, 32), (100, 576), (64, 7), (50, 1536))
     for out_features, in_features in shapes:
         weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
         bias = torch.randn(out_features, generator=generator).to(torch.bfloat16)

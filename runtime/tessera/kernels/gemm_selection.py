@@ -6,7 +6,7 @@ kernel build (same folder, same key: torch version, CPU flags, kernel sources), 
 measures a shape once and every later load, on any rank, reuses the verdict. Verdicts under the
 same key in the read-only prebuilt cache (an image's, or the host's that `make demo` mounts into
 rank pods) serve where this cache has none, so pods starting together need not measure at all.
-``TESSERA_GEMM_BACKEND=aten|mkl|onednn|mkl_fp32|panels`` forces one backend where it is supported.
+``TESSERA_GEMM_BACKEND=aten|mkl|onednn|mkl_fp32|panels|amx`` forces one backend where it is supported.
 
 Scoring: each candidate is timed at every row count of the profile (decode-sized and
 prefill-sized batches) and scored by the geometric mean of its time relative to the fastest
