@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "panel_rows.h"
+
 namespace tessera::amx {
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -43,24 +45,10 @@ inline int64_t panel_count(int64_t n) { return (n + kCols - 1) / kCols; }
 // Gated panels hold the gate and the up rows of the same 16 outputs.
 inline int64_t gated_panel_count(int64_t width) { return (width + kTileRows - 1) / kTileRows; }
 
-// Which weight row each column of a panel multiplies (-1: none, a zero column).
-struct PlainRows {
-  int64_t n;
-  int64_t operator()(int64_t panel, int64_t col) const {
-    const int64_t row = panel * kCols + col;
-    return row < n ? row : -1;
-  }
-};
-
-// A SwiGLU gate_up weight [2 * width][k]: panel p's first tile holds gate rows [16p, 16p + 16),
-// its second the same up rows, so a row of sums holds both factors of its 16 outputs.
-struct GatedRows {
-  int64_t width;
-  int64_t operator()(int64_t panel, int64_t col) const {
-    const int64_t out = panel * kTileRows + col % kTileRows;
-    return out >= width ? -1 : col < kTileRows ? out : width + out;
-  }
-};
+// Plain panels of 32 weight rows; gated ones hold the gate and the up rows of the same 16
+// outputs, so a row of sums holds both factors of its outputs.
+using PlainRows = PlainPanelRows<kCols>;
+using GatedRows = GatedPanelRows<kCols>;
 
 // Panel `panel` of a row-major bf16 weight [rows][k] into out (padded_k(k) * kCols words):
 // input i of column col at step i / 32, tile col / 16, pair row (i % 32) / 2, [col % 16][i % 2].

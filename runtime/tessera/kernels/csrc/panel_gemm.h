@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "panel_rows.h"
+
 namespace tessera::panels {
 
 #if defined(__AVX512F__)
@@ -69,27 +71,8 @@ constexpr int64_t widened_word(int64_t col) {
   return 8 * (lane / 4) + 4 * vector + lane % 4;
 }
 
-// Which weight row each column of a panel multiplies (-1: none, a zero column).
-// Plain: panel p's columns are rows [p * kCols, (p + 1) * kCols) of an [n][k] weight.
-struct PlainRows {
-  int64_t n;
-  int64_t operator()(int64_t panel, int64_t col) const {
-    const int64_t row = panel * kCols + col;
-    return row < n ? row : -1;
-  }
-};
-
-// Gated: a weight [2 * width][k] stacking gate over up (SwiGLU's gate_up projection). Panel p's
-// first half holds gate rows [p * h, (p + 1) * h), its second half the same up rows (h = kCols
-// / 2), so one register tile holds both factors of output columns [p * h, (p + 1) * h).
-struct GatedRows {
-  int64_t width;
-  int64_t operator()(int64_t panel, int64_t col) const {
-    constexpr int64_t h = kCols / 2;
-    const int64_t out = panel * h + col % h;
-    return out >= width ? -1 : col < h ? out : width + out;
-  }
-};
+using PlainRows = PlainPanelRows<kCols>;
+using GatedRows = GatedPanelRows<kCols>;
 
 // Panel `panel` of a row-major weight [rows][k] (T = float or uint16_t bf16 bits), its columns'
 // rows given by row_of. fp32: element (col, i) at [i][col]; bf16: at [i / 2][col][i % 2] (pairs,
