@@ -3,8 +3,8 @@
 Which library is fastest depends on the CPU (vendor, generation, ISA), the shape and the dtype:
 MKL's packed sgemm wins on some Xeons, oneDNN's prepacked blocked layout on others, Tessera's
 own panel GEMM (``csrc/panel_gemm.h``, AVX-512 or AVX2) on EPYC Genoa and Milan, its AMX panels
-(``csrc/amx_gemm.h``) for bf16 on Xeons with AMX, plain ATen for some shapes. ``gemm_selection`` measures them on the machine; this module only holds the
-candidates.
+(``csrc/amx_gemm.h``) for bf16 on Xeons with AMX, plain ATen for some shapes. ``gemm_selection``
+measures them on the machine; this module only holds the candidates.
 """
 
 from __future__ import annotations
@@ -210,9 +210,11 @@ def _pack_amx(weight: torch.Tensor) -> PackedWeight:
 
 def pack_gated_panels(weight: torch.Tensor, backend: str = "panels") -> GatedPanelWeight:
     """A SwiGLU gate_up weight in the gated panels of ``backend`` (one of GATED_KERNELS, where it
-    multiplies the weight: see ``_panel_ops``, ``_amx_ops``)."""
-    ops = _amx_ops(weight) if backend == "amx" else _panel_ops(weight)
-    assert ops is not None, f"{backend} cannot multiply a {weight.dtype} {tuple(weight.shape)} weight here"
+    multiplies the weight)."""
+    ops = native_ops(weight.device)
+    assert ops is not None and BACKENDS[backend].supports(weight), (
+        f"{backend} cannot multiply a {weight.dtype} {tuple(weight.shape)} weight here"
+    )
     return GatedPanelWeight(weight, ops, backend)
 
 

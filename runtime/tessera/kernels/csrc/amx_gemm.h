@@ -80,7 +80,8 @@ inline int64_t row_block(int64_t k) {
 struct Work {
   int64_t m, block, run, runs, items;
   Work(int64_t m, int64_t k, int64_t count, int64_t threads) : m(m), block(row_block(k)) {
-    run = (count + std::max<int64_t>(1, threads) - 1) / std::max<int64_t>(1, threads);
+    threads = std::max<int64_t>(1, threads);
+    run = (count + threads - 1) / threads;
     runs = (count + run - 1) / run;
     items = (m + block - 1) / block * runs;
   }
