@@ -321,7 +321,10 @@ class LlamaForCausalLM(nn.Module):
         return num_tokens
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[M, hidden] -> [M, vocab] float32 (pass only the rows whose next token is sampled)."""
+        """[M, hidden] -> [M, vocab] in the model's dtype (pass only the rows whose next token is
+        sampled). The sampler widens them to fp32 where it computes with them; greedy sampling
+        takes the argmax as they are, which is the same (at decode of 64 bf16 rows, 12.6 MB less
+        written and read a step)."""
         if self.lm_head is None:
             raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head.compute_logits(hidden_states)

@@ -93,7 +93,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         # The logits are only read (sampled, gathered): their rows may be padded apart.
         logits = linear(hidden_states, self.weight, self.packed_weight, None, may_pad_rows=True)
         logits = tp_all_gather(logits, dim=-1)
-        return logits[..., : self.num_embeddings].float()
+        return logits[..., : self.num_embeddings]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits through compute_logits(), not forward()")
