@@ -84,6 +84,9 @@ def mixed_batch(block_size: int, seed: int) -> tuple[list[tuple[int, int]], Atte
         (4, 2, 80, 8, None, torch.float32),  # generic path: head_dim and block size off the fast path
         (6, 2, 64, 16, 50, torch.bfloat16),
         (8, 2, 128, 16, None, torch.bfloat16),  # bf16 on the head_dim-128 fast path
+        # bf16 without GQA; on AMX (amx_attention.h) 64 query rows a KV head, and the 150-token
+        # prompt's later query tiles take two key blocks (the online rescale between them).
+        (4, 4, 64, 16, None, torch.bfloat16),
         # Cache blocks of several key chunks (a chunk is one vector's lanes: 16 keys with AVX-512, 8 with AVX2).
         (9, 3, 64, 32, None, torch.float32),
         (6, 2, 64, 32, 40, torch.bfloat16),

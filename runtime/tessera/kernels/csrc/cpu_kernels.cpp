@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "amx_attention.h"
 #include "amx_gemm.h"
 #include "panel_gemm.h"
 
@@ -77,16 +78,45 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
     }
   });
 
-  // 2. Attention, one work item per (sequence, query tile), longest first.
+  // 2. Attention, one work item per (sequence, query tile), longest first. In bf16 on AMX, items
+  // with a tile's worth of rows per KV head or more run on the tiles (amx_attention.h), with
+  // longer query tiles.
+  bool amx = false;
+  int64_t tile = query_tile(num_heads, batch.group);
+#if defined(TESSERA_AMX)
+  if constexpr (IsBf16<T>::value) amx = (head_dim == 64 || head_dim == 128) && amx::request_tile_state();
+  if (amx) tile = amx_attention::kQueryTokens;
+#endif
   const std::vector<WorkItem> items =
-      make_work_items(batch.starts, batch.lens, seq_lens.size(0), num_heads, batch.group, sliding_window);
+      make_work_items(batch.starts, batch.lens, seq_lens.size(0), tile, sliding_window);
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_items)));
+  bool amx_items = false;
+#if defined(TESSERA_AMX)
+  amx_items = amx && std::any_of(items.begin(), items.end(), [&](const WorkItem& item) {
+                return amx_attention::uses_amx(item, batch.group);
+              });
+#endif
 #pragma omp parallel num_threads(threads)
   {
     TileScratch scratch(query_tile(num_heads, batch.group) * num_heads, head_dim, block_size);
+#if defined(TESSERA_AMX)
+    amx_attention::Scratch amx_scratch;
+    if (amx_items) amx::configure_tiles();  // per thread
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < num_items; ++w) {
+#if defined(TESSERA_AMX)
+      if constexpr (IsBf16<T>::value) {
+        if (amx_items && amx_attention::uses_amx(items[w], batch.group)) {
+          if (head_dim == 64)
+            amx_attention::attend_tile<T, 64>(batch, items[w], amx_scratch);
+          else
+            amx_attention::attend_tile<T, 128>(batch, items[w], amx_scratch);
+          continue;
+        }
+      }
+#endif
       switch (head_dim) {
         case 64:
           attend_tile<T, 64>(batch, items[w], scratch);
@@ -98,6 +128,9 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
           attend_tile<T, 0>(batch, items[w], scratch);
       }
     }
+#if defined(TESSERA_AMX)
+    if (amx_items) _tile_release();
+#endif
   }
 }
 

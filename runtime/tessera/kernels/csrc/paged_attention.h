@@ -460,10 +460,10 @@ inline int64_t query_tile(int64_t num_heads, int64_t group) {
   return (tokens + whole - 1) / whole * whole;
 }
 
-// Items for every sequence, most expensive first (for dynamic scheduling over threads).
+// Items of up to `tile` query tokens for every sequence, most expensive first (for dynamic
+// scheduling over threads).
 inline std::vector<WorkItem> make_work_items(const int64_t* starts, const int64_t* lens, int64_t num_seqs,
-                                             int64_t num_heads, int64_t group, int64_t sliding_window) {
-  const int64_t tile = query_tile(num_heads, group);
+                                             int64_t tile, int64_t sliding_window) {
   std::vector<WorkItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t query_len = starts[s + 1] - starts[s];
