@@ -49,7 +49,9 @@ struct Scratch {
   std::vector<int32_t> first_key, last_key;
   void reserve(int64_t row_tiles, int64_t head_dim) {
     const int64_t rows = row_tiles * kTile;
-    if (static_cast<int64_t>(row_max.size()) >= rows && static_cast<int64_t>(query.size()) >= rows * head_dim) return;
+    if (static_cast<int64_t>(row_max.size()) >= rows && static_cast<int64_t>(query.size()) >= rows * head_dim &&
+        static_cast<int64_t>(keys_t.size()) >= kKeyBlock * head_dim)
+      return;
     query.assign(rows * head_dim, 0);
     out.assign(rows * head_dim, 0.0f);
     row_max.assign(rows, 0.0f);

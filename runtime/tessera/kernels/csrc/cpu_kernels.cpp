@@ -84,7 +84,9 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   bool amx = false;
   int64_t tile = query_tile(num_heads, batch.group);
 #if defined(TESSERA_AMX)
-  if constexpr (IsBf16<T>::value) amx = (head_dim == 64 || head_dim == 128) && amx::request_tile_state();
+  // (amx_attention.h's softmax takes the raw scores' max for the scaled ones': scale > 0.)
+  if constexpr (IsBf16<T>::value)
+    amx = (head_dim == 64 || head_dim == 128) && batch.scale > 0.0f && amx::request_tile_state();
   if (amx) tile = amx_attention::kQueryTokens;
 #endif
   const std::vector<WorkItem> items =
