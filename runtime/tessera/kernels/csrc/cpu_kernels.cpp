@@ -676,15 +676,23 @@ torch::Tensor multiply_amx_panels(const torch::Tensor& x, const torch::Tensor& p
   }
   torch::Tensor out = torch::empty({m, n}, x.options());
   if (m == 0) return out;
-  // Tiles read whole steps of 32 inputs and blocks of 16 rows: x is padded with zeros to both.
-  const int64_t m_padded = (m + amx::kTileRows - 1) / amx::kTileRows * amx::kTileRows;
+  // Tiles read whole steps of 32 inputs and pairs of 16-row tiles: x is padded with zero inputs
+  // when K is not whole steps; a short last group of 32 rows is read from a zero-padded copy.
   torch::Tensor input = x;
-  if (m_padded != m || k_padded != k) {
-    input = torch::zeros({m_padded, k_padded}, x.options());
-    input.narrow(0, 0, m).narrow(1, 0, k).copy_(x);
+  if (k_padded != k) {
+    input = torch::zeros({m, k_padded}, x.options());
+    input.narrow(1, 0, k).copy_(x);
+  }
+  constexpr int64_t group = 2 * amx::kTileRows;
+  const int64_t tail_row = m / group * group;
+  torch::Tensor tail;
+  if (tail_row < m) {
+    tail = torch::zeros({group, k_padded}, x.options());
+    tail.narrow(0, 0, m - tail_row).copy_(input.narrow(0, tail_row, m - tail_row));
   }
 #if defined(TESSERA_AMX)
-  const auto* in = static_cast<const uint16_t*>(input.data_ptr());
+  const amx::Rows in{static_cast<const uint16_t*>(input.data_ptr()), k_padded,
+                     tail_row < m ? static_cast<const uint16_t*>(tail.data_ptr()) : nullptr, tail_row < m ? tail_row : -1};
   const auto* weights = static_cast<const uint16_t*>(packed.data_ptr());
   auto* y = static_cast<uint16_t*>(out.data_ptr());
   const float* bias_data = bias.numel() > 0 ? fp32_bias.data_ptr<float>() : nullptr;
