@@ -254,27 +254,30 @@ class ModelRunner:
     def _prepare_inputs(
         self, batch: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        # Plain lists first, one tensor each after: per-request tensors and indexing ops cost
+        # more than the arithmetic at decode's one token per request.
+        block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        for scheduled in batch:
-            count = len(scheduled.token_ids)
-            input_ids.extend(scheduled.token_ids)
-            positions.extend(range(scheduled.start_position, scheduled.start_position + count))
-            query_start_loc.append(query_start_loc[-1] + count)
-            seq_lens.append(scheduled.start_position + count)
         max_blocks = max(len(scheduled.block_ids) for scheduled in batch)
-        block_tables = torch.zeros((len(batch), max_blocks), dtype=torch.int64)
-        for row, scheduled in enumerate(batch):
-            block_tables[row, : len(scheduled.block_ids)] = torch.tensor(
-                scheduled.block_ids, dtype=torch.int64
-            )
+        padded_block_ids: list[list[int]] = []
+        for scheduled in batch:
+            start, count, block_ids = scheduled.start_position, len(scheduled.token_ids), scheduled.block_ids
+            input_ids.extend(scheduled.token_ids)
+            positions.extend(range(start, start + count))
+            for block in range(start // block_size, (start + count - 1) // block_size + 1):
+                first, end = max(start, block * block_size), min(start + count, (block + 1) * block_size)
+                offset = (block_ids[block] - block) * block_size  # position -> slot within this block
+                slots.extend(range(first + offset, end + offset))
+            query_start_loc.append(query_start_loc[-1] + count)
+            seq_lens.append(start + count)
+            padded_block_ids.append(block_ids + [0] * (max_blocks - len(block_ids)))
+        block_tables = torch.tensor(padded_block_ids, dtype=torch.int64)
         positions_cpu = torch.tensor(positions, dtype=torch.int64)
-        query_lens = torch.tensor([len(s.token_ids) for s in batch], dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(batch)), query_lens)
-        block_of_token = block_tables[rows, positions_cpu // self.block_size]
-        slot_mapping = block_of_token * self.block_size + positions_cpu % self.block_size
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
         num_decodes = 0
         while num_decodes < len(batch) and len(batch[num_decodes].token_ids) == 1:
             num_decodes += 1
