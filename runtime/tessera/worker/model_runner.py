@@ -251,49 +251,6 @@ class ModelRunner:
             generator=generator,
         )
 
-    def _prepare_inputs(
-        self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        # Plain lists first, one tensor each after: per-request tensors and indexing ops cost
-        # more than the arithmetic at decode's one token per request.
-        block_size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        max_blocks = max(len(scheduled.block_ids) for scheduled in batch)
-        padded_block_ids: list[list[int]] = []
-        for scheduled in batch:
-            start, count, block_ids = scheduled.start_position, len(scheduled.token_ids), scheduled.block_ids
-            input_ids.extend(scheduled.token_ids)
-            positions.extend(range(start, start + count))
-            for block in range(start // block_size, (start + count - 1) // block_size + 1):
-                first, end = max(start, block * block_size), min(start + count, (block + 1) * block_size)
-                offset = (block_ids[block] - block) * block_size  # position -> slot within this block
-                slots.extend(range(first + offset, end + offset))
-            query_start_loc.append(query_start_loc[-1] + count)
-            seq_lens.append(start + count)
-            padded_block_ids.append(block_ids + [0] * (max_blocks - len(block_ids)))
-        block_tables = torch.tensor(padded_block_ids, dtype=torch.int64)
-        positions_cpu = torch.tensor(positions, dtype=torch.int64)
-        slot_mapping = torch.tensor(slots, dtype=torch.int64)
-        num_decodes = 0
-        while num_decodes < len(batch) and len(batch[num_decodes].token_ids) == 1:
-            num_decodes += 1
-        device = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-            block_tables=block_tables.to(device),
-            num_decodes=num_decodes,
-            max_seq_len=max(seq_lens),
-            query_start_loc_list=query_start_loc,
-            seq_lens_list=seq_lens,
-        )
-        return torch.tensor(input_ids, dtype=torch.int64, device=device), positions_cpu.to(device), metadata
-
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [state.sampling_params for state in states]
         generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
@@ -352,7 +309,7 @@ class ModelRunner:
         )
         if not batch:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=dict(self.failed))
-        input_ids, positions, metadata = self._prepare_inputs(batch)
+        input_ids, positions, metadata = step_inputs(batch, self.block_size, self.device)
         intermediate_tensors = None if receive is None else receive(int(positions.shape[0]))
         hidden_states = self.model(input_ids, positions, self.kv_caches, metadata, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):
@@ -471,6 +428,49 @@ class ModelRunner:
             return None, []
         kept_states = [states[row] for row in kept]
         return self.sampler(logits[kept], self._sampling_metadata(kept_states)), kept
+
+
+def step_inputs(
+    batch: list[ScheduledRequest], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step's token ids, positions and attention metadata (decodes first in ``batch``)."""
+    # Plain lists first, one tensor each after: per-request tensors and indexing ops cost
+    # more than the arithmetic at decode's one token per request.
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    max_blocks = max(len(scheduled.block_ids) for scheduled in batch)
+    padded_block_ids: list[list[int]] = []
+    for scheduled in batch:
+        start, count, block_ids = scheduled.start_position, len(scheduled.token_ids), scheduled.block_ids
+        input_ids.extend(scheduled.token_ids)
+        positions.extend(range(start, start + count))
+        for block in range(start // block_size, (start + count - 1) // block_size + 1):
+            first, end = max(start, block * block_size), min(start + count, (block + 1) * block_size)
+            offset = (block_ids[block] - block) * block_size  # position -> slot within this block
+            slots.extend(range(first + offset, end + offset))
+        query_start_loc.append(query_start_loc[-1] + count)
+        seq_lens.append(start + count)
+        padded_block_ids.append(block_ids + [0] * (max_blocks - len(block_ids)))
+    block_tables = torch.tensor(padded_block_ids, dtype=torch.int64)
+    positions_cpu = torch.tensor(positions, dtype=torch.int64)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    num_decodes = 0
+    while num_decodes < len(batch) and len(batch[num_decodes].token_ids) == 1:
+        num_decodes += 1
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        block_tables=block_tables.to(device),
+        num_decodes=num_decodes,
+        max_seq_len=max(seq_lens),
+        query_start_loc_list=query_start_loc,
+        seq_lens_list=seq_lens,
+    )
+    return torch.tensor(input_ids, dtype=torch.int64, device=device), positions_cpu.to(device), metadata
 
 
 class _GeneratorRewind:
