@@ -124,11 +124,22 @@ inline void configure_tiles() {
 template <typename Epilogue>
 struct PendingRows {
   const Epilogue& epilogue;
-  const float* sums = nullptr;  // the previous block's sums, [rows][32]
+  int64_t ldy;                  // elements between output rows
+  const float* sums = nullptr;  // the pending group's sums, [rows][32]
   uint16_t* y = nullptr;        // its first output row
-  int64_t ldy = 0, rows = 0, done = 0, live = 0;
+  int64_t rows = 0, done = 0, live = 0;
   const float* bias = nullptr;
 
+  // A group whose sums are ready: its epilogue is pending from now on.
+  void hand_over(const float* group_sums, uint16_t* group_y, int64_t group_rows, int64_t group_live,
+                 const float* group_bias) {
+    sums = group_sums;
+    y = group_y;
+    rows = group_rows;
+    done = 0;
+    live = group_live;
+    bias = group_bias;
+  }
   void run(int64_t count) {
     for (const int64_t end = std::min(rows, done + count); done < end; ++done)
       epilogue(y + done * ldy, sums + done * kCols, live, bias);
@@ -167,7 +178,7 @@ inline void panel_sums(const uint16_t* x, int64_t k_padded, const uint16_t* pane
     }
     pending.run(rows_per_step);
   }
-  pending.finish();  // the caller hands over the next block's rows
+  pending.finish();  // the caller hands over this group next
   constexpr int64_t ld = kCols * sizeof(float);
   _tile_stored(0, sums, ld);
   _tile_stored(1, sums + kTileRows, ld);
@@ -215,12 +226,12 @@ struct Rows {
 template <typename Epilogue>
 void multiply_item(const Work& work, int64_t item, const Rows& x, int64_t k_padded, const uint16_t* packed,
                    int64_t n, int64_t count, const float* bias, uint16_t* y, const Epilogue& epilogue) {
-  alignas(64) float sums[2][2 * kTileRows * kCols];  // this block's and the pending block's
+  alignas(64) float sums[2][2 * kTileRows * kCols];  // this group's and the pending group's
   constexpr int64_t out_cols = Epilogue::kOutCols;
   const int64_t first_row = item / work.runs * work.block;
   const int64_t end_row = std::min(work.m, first_row + work.block);
   const int64_t first = item % work.runs * work.run, last = std::min(count, first + work.run);
-  PendingRows<Epilogue> pending{epilogue};
+  PendingRows<Epilogue> pending{epilogue, n};
   int buffer = 0;
   for (int64_t panel = first; panel < last; ++panel) {
     const uint16_t* weights = packed + panel * k_padded * kCols;
@@ -232,13 +243,8 @@ void multiply_item(const Work& work, int64_t item, const Rows& x, int64_t k_padd
         panel_sums<2>(in, k_padded, weights, sums[buffer], pending);
       else
         panel_sums<1>(in, k_padded, weights, sums[buffer], pending);
-      pending.sums = sums[buffer];
-      pending.y = y + row * n + panel * out_cols;
-      pending.ldy = n;
-      pending.rows = std::min(2 * kTileRows, end_row - row);
-      pending.done = 0;
-      pending.live = live;
-      pending.bias = panel_bias;
+      pending.hand_over(sums[buffer], y + row * n + panel * out_cols, std::min(2 * kTileRows, end_row - row), live,
+                        panel_bias);
       buffer ^= 1;
     }
   }
