@@ -76,6 +76,10 @@ class LeaderChannel:
         self._zmq = zmq.Context()
         self._router = self._zmq.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a missing rank raises
+        # A restarted rank reconnects under the same identity, often before the dead one's
+        # connection is noticed closed (a killed pod's TCP never is): without the handover the
+        # ROUTER silently drops the newcomer's messages, and its restart goes unseen.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.IPV6, 1)  # tcp://* on IPv6 and IPv4 (IPv4 alone where no IPv6)
