@@ -106,6 +106,7 @@ class GatedPanelWeight:
 
     def __init__(self, weight: torch.Tensor, ops: ModuleType, backend: str = "panels") -> None:
         self.width = weight.shape[0] // 2
+        self.backend = backend
         pack, kernel = GATED_KERNELS[backend]
         self.data = getattr(ops, pack)(weight.contiguous())
         self.kernel: Callable[..., torch.Tensor] = getattr(ops, kernel)

@@ -75,6 +75,9 @@ def sliding_window_of_layer(config: Any, layer: int) -> int | None:
     return int(window)
 
 
+_NO_RESIDUAL = torch.empty(0)
+
+
 class PPMissingLayer(nn.Identity):
     """Placeholder for a layer that lives on another pipeline stage (keeps checkpoint indices)."""
 
@@ -268,6 +271,9 @@ class LlamaForCausalLM(nn.Module):
         self.max_context = context_length(config)
         self.rotary = RotaryEmbedding(self._head_dim, self.max_context, rope_parameters(config), dtype)
         self._workspace = GatherWorkspace()
+        # The local layers as one native call (models/decoder_stack.py), set once the weights are
+        # packed; None runs them one module at a time.
+        self.decoder_stack: Any = None
 
     def _local_layers(self) -> list[LlamaDecoderLayer]:
         start, end = self.layer_range
@@ -303,8 +309,21 @@ class LlamaForCausalLM(nn.Module):
             attn_metadata, kv_caches[0].shape[2], hidden_states.device, self._workspace
         )
         rope = self.rotary.lookup(positions)
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden_states, residual = layer(hidden_states, residual, rope, kv_cache, plan)
+        if self.decoder_stack is not None and plan.native is not None:
+            md = plan.metadata
+            hidden_states, residual = self.decoder_stack.forward(
+                hidden_states,
+                _NO_RESIDUAL if residual is None else residual,
+                rope,
+                kv_caches,
+                md.slot_mapping,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+            )
+        else:
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                hidden_states, residual = layer(hidden_states, residual, rope, kv_cache, plan)
         if not self.is_last_stage:
             assert residual is not None
             return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tessera.models.checkpoint import iterate_lazily
+from tessera.models.decoder_stack import build_decoder_stack
 from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
 from tessera.models.layers.linear import process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
@@ -109,6 +110,7 @@ def load_model(
         raise ValueError(f"checkpoint in {folder} lacks tensors for: {', '.join(missing[:8])}")
     model.eval()
     process_weights_after_loading(model)
+    model.decoder_stack = build_decoder_stack(model)
     start, end = model.layer_range
     logger.info(
         "loaded %s layers [%d, %d) of %d (tp %d/%d) as %s on %s in %.1f s",

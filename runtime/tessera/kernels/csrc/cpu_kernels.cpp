@@ -743,6 +743,8 @@ torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t
 #endif
 }
 
+#include "decoder_stack.h"
+
 // Pins thread t of the OpenMP pool (the one torch, MKL and these kernels share; the caller is
 // thread 0) to cpus[t]. libgomp keeps a team's threads for later regions of the same size, so
 // the pinning lasts while torch's thread count stays len(cpus). Whether each pin took.
@@ -783,4 +785,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_threads", &bind_threads, "pin OpenMP thread t to cpus[t]");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE in place", nogil);
   m.def("greedy_argmax", &greedy_argmax, "each row's index of its first maximum (first NaN if any)", nogil);
+  stack::bind(m);
 }
