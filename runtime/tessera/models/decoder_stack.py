@@ -11,13 +11,16 @@ kernels (module calls, views, dispatch), during which the other OpenMP threads w
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tessera.kernels import native_ops
 from tessera.kernels.gemm import AmxPackedWeight, MklPackedWeight, NativePackedWeight, PanelPackedWeight
 from tessera.models.layers.linear import LinearBase, SiluGatedLinear
+
+if TYPE_CHECKING:
+    from tessera.models.llama import LlamaForCausalLM
 
 _NONE = torch.empty(0)
 # Packed weight type -> the native GEMM that multiplies it.
@@ -32,12 +35,12 @@ _GATED_GEMMS = {"panels": "PANELS_GATED", "amx": "AMX_GATED"}
 def _linear(ops: ModuleType, layer: LinearBase, silu_after: bool = False) -> Any:
     """How ``layer`` multiplies (``silu_after``: SwiGLU on a plain GEMM's output, as SiluGatedLinear does)."""
     packed = layer.packed_weight
-    if not isinstance(packed, NativePackedWeight) or type(packed) not in _NATIVE_GEMMS:
-        # Its own forward, which applies SwiGLU itself where it should.
-        return ops.StackLinear(ops.StackGemm.PYTHON, _NONE, 0, _NONE, layer.forward, False)
-    gemm = getattr(ops.StackGemm, _NATIVE_GEMMS[type(packed)])
-    bias = _NONE if layer.bias is None else layer.bias
-    return ops.StackLinear(gemm, packed.data, packed.out_features, bias, None, silu_after)
+    if isinstance(packed, NativePackedWeight) and type(packed) in _NATIVE_GEMMS:
+        gemm = getattr(ops.StackGemm, _NATIVE_GEMMS[type(packed)])
+        bias = _NONE if layer.bias is None else layer.bias
+        return ops.StackLinear(gemm, packed.data, packed.out_features, bias, None, silu_after)
+    # Its own forward, which applies SwiGLU itself where it should.
+    return ops.StackLinear(ops.StackGemm.PYTHON, _NONE, 0, _NONE, layer.forward, False)
 
 
 def _gate_up(ops: ModuleType, layer: SiluGatedLinear) -> Any:
@@ -49,13 +52,13 @@ def _gate_up(ops: ModuleType, layer: SiluGatedLinear) -> Any:
     )
 
 
-def build_decoder_stack(model: Any) -> Any | None:
+def build_decoder_stack(model: LlamaForCausalLM) -> Any | None:
     """The native stack of ``model``'s local decoder layers, or None where it does not apply: no
     native kernels, another device, tensor parallelism (whose collectives run in Python)."""
     layers = model._local_layers()
     device = layers[0].input_layernorm.weight.device
     ops = native_ops(device)
-    if ops is None or not hasattr(ops, "DecoderStack") or model.tp_size != 1:
+    if ops is None or model.tp_size != 1:
         return None
     described = []
     for layer in layers:

@@ -75,9 +75,6 @@ def sliding_window_of_layer(config: Any, layer: int) -> int | None:
     return int(window)
 
 
-_NO_RESIDUAL = torch.empty(0)
-
-
 class PPMissingLayer(nn.Identity):
     """Placeholder for a layer that lives on another pipeline stage (keeps checkpoint indices)."""
 
@@ -313,7 +310,7 @@ class LlamaForCausalLM(nn.Module):
             md = plan.metadata
             hidden_states, residual = self.decoder_stack.forward(
                 hidden_states,
-                _NO_RESIDUAL if residual is None else residual,
+                residual,
                 rope,
                 kv_caches,
                 md.slot_mapping,

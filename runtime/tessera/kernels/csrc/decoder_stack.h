@@ -58,7 +58,7 @@ struct Layer {
 // residual; without one, x is the residual and the norm a new tensor.
 inline torch::Tensor add_and_norm(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
                                   double eps) {
-  if (!residual.defined() || residual.numel() == 0) {
+  if (!residual.defined()) {
     residual = x;
     return rms_norm(x, torch::empty({0}, x.options()), weight, eps);
   }
@@ -69,14 +69,16 @@ class DecoderStack {
  public:
   explicit DecoderStack(std::vector<Layer> layers) : layers_(std::move(layers)) {}
 
-  // hidden [N, H] (and residual, empty on the first stage's first layer) through every layer;
+  // hidden [N, H] (and residual, None on the first stage's first layer) through every layer;
   // rope [N, head_dim] (cos | sin); the attention metadata as paged_attention takes it.
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor hidden, torch::Tensor residual, torch::Tensor rope,
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor hidden, std::optional<torch::Tensor> first_residual,
+                                                   torch::Tensor rope,
                                                    const std::vector<torch::Tensor>& kv_caches,
                                                    torch::Tensor slot_mapping, torch::Tensor block_tables,
                                                    torch::Tensor seq_lens, torch::Tensor query_start_loc) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     const int64_t n = hidden.size(0);
+    torch::Tensor residual = first_residual.value_or(torch::Tensor());
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       torch::Tensor normed = add_and_norm(hidden, residual, layer.input_norm, layer.input_eps);
