@@ -170,6 +170,46 @@ def package_version(name: str) -> str | None:
         return None
 
 
+# TESSERA_CPU_ISA builds Tessera's kernels for another CPU kind's instructions (tessera.kernels.isa).
+# A race run so holds the peer and the libraries both engines call (oneDNN, MKL) to the same
+# instructions: the race that kind's code would run, on this machine's cores, caches and memory.
+# An approximation of that kind, not a measurement of it. The runner of vLLM turns AMX off in
+# torch where PEER_WITHOUT_AMX is set (vLLM picks its attention kernels by it).
+PEER_WITHOUT_AMX = "TESSERA_BENCH_PEER_WITHOUT_AMX"
+_HELD_ISA_ENVIRONMENTS = {
+    "avx512-bf16": {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        PEER_WITHOUT_AMX: "1",
+    },
+    "avx512": {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        PEER_WITHOUT_AMX: "1",
+    },
+}
+# What hold_to_cpu_isa set, for the JSON.
+_held_environment: dict[str, str] = {}
+
+
+def hold_to_cpu_isa() -> dict[str, str]:
+    """Hold this process (and the peers it starts) to the instructions TESSERA_CPU_ISA names;
+    returns the variables set. Call before the first GEMM: oneDNN and MKL read them once."""
+    from tessera.kernels import isa
+
+    variant = isa.requested_variant()
+    if variant in (None, "", isa.NATIVE):
+        return {}
+    held = _HELD_ISA_ENVIRONMENTS.get(variant)
+    if held is None:
+        raise SystemExit(
+            f"{isa.VARIABLE}={variant}: the benchmarks can hold vLLM to {', '.join(_HELD_ISA_ENVIRONMENTS)} only"
+        )
+    os.environ.update(held)
+    _held_environment.update({isa.VARIABLE: variant, **held})
+    return dict(_held_environment)
+
+
 def environment_info() -> dict[str, Any]:
     """What a reader needs to compare two result files: hardware, threads, versions, revision."""
     return {
@@ -187,6 +227,7 @@ def environment_info() -> dict[str, Any]:
         "transformers": package_version("transformers"),
         "tessera": package_version("tessera"),
         "git_revision": git_revision(),
+        "held_to_cpu_isa": dict(_held_environment) or None,
     }
 
 

@@ -61,6 +61,7 @@ from common import (
     environment_info,
     exit_on_sigterm,
     group_stopped,
+    hold_to_cpu_isa,
     measure_matmul_peak,
     median_index,
     new_figure,
@@ -658,6 +659,7 @@ def main() -> None:
     from tessera.models.registry import resolve_model
 
     exit_on_sigterm()
+    hold_to_cpu_isa()
     threads = set_threads(args.threads)
     folder = resolve_model(MODEL)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -67,6 +67,7 @@ from servers import cpu_used, running_server
 
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import run_benchmark
+from tessera.kernels import isa
 from tessera.ports import free_port
 
 NAME = "serving_vs_vllm"
@@ -193,6 +194,10 @@ def main() -> None:
     if rounds < 1:
         parser.error("--rounds must be at least 1")
     exit_on_sigterm()
+    if isa.requested_variant() not in (None, "", isa.NATIVE):
+        parser.error(
+            f"{isa.VARIABLE}: `vllm serve` is not held to another CPU kind's instructions; offline_throughput.py is"
+        )
     threads = set_threads(args.threads)
     from transformers import AutoTokenizer
 

@@ -1,9 +1,9 @@
 """Native CPU kernels (``csrc/cpu_kernels.cpp``), compiled on first use and cached.
 
-The build is keyed on the source, torch's version and this CPU's instruction sets (it is
-compiled with ``-march=native``), under ``~/.cache/tessera/kernels/`` (``TESSERA_CACHE``
-moves it), so a machine compiles once, in about a minute, and loads in milliseconds after.
-Without a C++ compiler ``cpu_kernels()`` returns None, and with ``TESSERA_CPU_KERNELS=0`` it
+The build is keyed on the source, torch's version, this CPU's instruction sets and the flags
+(``-march=native``, or the variant ``TESSERA_CPU_ISA`` names: ``isa.py``), under
+``~/.cache/tessera/kernels/`` (``TESSERA_CACHE`` moves it), so a machine compiles once, in
+about a minute, and loads in milliseconds after. Without a C++ compiler ``cpu_kernels()`` returns None, and with ``TESSERA_CPU_KERNELS=0`` it
 is not used: the model then runs its ATen formulation, same results, slower. A build found
 under the read-only prebuilt cache (``TESSERA_PREBUILT_CACHE``, where an image bakes it in) is
 loaded as is, without locking or compiling.
@@ -34,11 +34,12 @@ from types import ModuleType
 
 import torch
 
+from tessera.kernels import isa
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "cpu_kernels.cpp"
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
 # torch.utils.cpp_extension's FileBaton: created by the builder, removed when it finishes.
 TORCH_BATON = "lock"
 BUILD_LOCK = ".tessera-build.lock"
@@ -54,6 +55,18 @@ def _cpu_features() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpu_features().partition(":")[2].split())
+
+
+def compile_flags(march: list[str]) -> list[str]:
+    return ["-O3", *march, "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
+
+
+# A TESSERA_CPU_ISA this CPU cannot run is refused here, before anything is built.
+CFLAGS = compile_flags(isa.march_flags(isa.requested_variant(), cpu_flags()))
 
 
 @functools.cache  # read for every weight's GEMM verdict; /proc/cpuinfo of a big node is large
