@@ -7,14 +7,17 @@ to the stem, so a run on another machine kind sits beside the results already ke
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -173,21 +176,15 @@ def package_version(name: str) -> str | None:
 # TESSERA_CPU_ISA builds Tessera's kernels for another CPU kind's instructions (tessera.kernels.isa).
 # A race run so holds the peer and the libraries both engines call (oneDNN, MKL) to the same
 # instructions: the race that kind's code would run, on this machine's cores, caches and memory.
-# An approximation of that kind, not a measurement of it. The runner of vLLM turns AMX off in
-# torch where PEER_WITHOUT_AMX is set (vLLM picks its attention kernels by it).
-PEER_WITHOUT_AMX = "TESSERA_BENCH_PEER_WITHOUT_AMX"
+# An approximation of that kind, not a measurement of it.
 _HELD_ISA_ENVIRONMENTS = {
-    "avx512-bf16": {
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
-        PEER_WITHOUT_AMX: "1",
-    },
-    "avx512": {
-        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
-        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
-        PEER_WITHOUT_AMX: "1",
-    },
+    "avx512-bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
 }
+# A folder whose sitecustomize.py turns AMX off in torch, for the peer's PYTHONPATH: vLLM picks its
+# attention kernels by torch's answer, in every process it starts (they inherit the path).
+PEER_SITE = "TESSERA_BENCH_PEER_SITE"
+_AMX_OFF = "import torch\n\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
 # What hold_to_cpu_isa set, for the JSON.
 _held_environment: dict[str, str] = {}
 
@@ -205,9 +202,18 @@ def hold_to_cpu_isa() -> dict[str, str]:
         raise SystemExit(
             f"{isa.VARIABLE}={variant}: the benchmarks can hold vLLM to {', '.join(_HELD_ISA_ENVIRONMENTS)} only"
         )
+    site = tempfile.mkdtemp(prefix="tessera-peer-without-amx-")
+    atexit.register(shutil.rmtree, site, ignore_errors=True)
+    Path(site, "sitecustomize.py").write_text(_AMX_OFF)
     os.environ.update(held)
+    os.environ[PEER_SITE] = site
     _held_environment.update({isa.VARIABLE: variant, **held})
     return dict(_held_environment)
+
+
+def peer_python_path() -> dict[str, str]:
+    """PYTHONPATH for a peer's processes: the held instruction set's sitecustomize, if any."""
+    return {"PYTHONPATH": os.environ[PEER_SITE]} if PEER_SITE in os.environ else {}
 
 
 def environment_info() -> dict[str, Any]:

@@ -66,6 +66,7 @@ from common import (
     median_index,
     new_figure,
     order_note,
+    peer_python_path,
     ratio_summary,
     save_figure,
     set_threads,
@@ -370,6 +371,7 @@ def vllm_environment(threads: int, peer: PeerStatus) -> dict[str, str]:
     the ones Tessera's ranks set in-process: ``tessera.worker.cpu_memory``)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update(peer_tuning(threads, peer))
+    env.update(peer_python_path())
     return env
 
 

@@ -43,6 +43,7 @@ from common import (
     environment_info,
     exit_on_sigterm,
     group_stopped,
+    hold_to_cpu_isa,
     median_index,
     new_figure,
     order_note,
@@ -67,7 +68,6 @@ from servers import cpu_used, running_server
 
 from tessera.bench.datasets import BenchRequest
 from tessera.bench.serve import run_benchmark
-from tessera.kernels import isa
 from tessera.ports import free_port
 
 NAME = "serving_vs_vllm"
@@ -194,10 +194,7 @@ def main() -> None:
     if rounds < 1:
         parser.error("--rounds must be at least 1")
     exit_on_sigterm()
-    if isa.requested_variant() not in (None, "", isa.NATIVE):
-        parser.error(
-            f"{isa.VARIABLE}: `vllm serve` is not held to another CPU kind's instructions; offline_throughput.py is"
-        )
+    hold_to_cpu_isa()
     threads = set_threads(args.threads)
     from transformers import AutoTokenizer
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,20 +28,6 @@ from typing import Any, TextIO
 def send(protocol: TextIO, message: dict[str, Any]) -> None:
     protocol.write(json.dumps(message) + "\n")
     protocol.flush()
-
-
-# Set by benchmarks/common.py's hold_to_cpu_isa for a CPU kind without AMX.
-WITHOUT_AMX = "TESSERA_BENCH_PEER_WITHOUT_AMX"
-_AMX_OFF = "import torch\ntorch.cpu._is_amx_tile_supported = lambda: False\n"
-
-
-def turn_amx_off() -> None:
-    """vLLM picks its attention kernels by torch's answer, here and in the workers it spawns:
-    they run this sitecustomize first."""
-    folder = tempfile.mkdtemp(prefix="tessera-peer-without-amx-")
-    Path(folder, "sitecustomize.py").write_text(_AMX_OFF)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
-    exec(_AMX_OFF)
 
 
 def main(job_path: str) -> None:
@@ -54,8 +39,6 @@ def main(job_path: str) -> None:
 
     job: dict[str, Any] = json.loads(Path(job_path).read_text())
     started = time.perf_counter()
-    if os.environ.get(WITHOUT_AMX):
-        turn_amx_off()
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
