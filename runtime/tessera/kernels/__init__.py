@@ -47,6 +47,7 @@ BUILD_LOCK = ".tessera-build.lock"
 LAYOUT = b"staged-sources-1"
 
 
+@functools.cache  # read at import and for the build key; /proc/cpuinfo of a big node is large
 def _cpu_features() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -69,7 +70,7 @@ def compile_flags(march: list[str]) -> list[str]:
 CFLAGS = compile_flags(isa.march_flags(isa.requested_variant(), cpu_flags()))
 
 
-@functools.cache  # read for every weight's GEMM verdict; /proc/cpuinfo of a big node is large
+@functools.cache  # read for every weight's GEMM verdict
 def build_key() -> str:
     digest = hashlib.sha256()
     # Every file in csrc/: the header changes the build as much as the .cpp does.
