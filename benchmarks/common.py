@@ -195,7 +195,7 @@ def hold_to_cpu_isa() -> dict[str, str]:
     from tessera.kernels import isa
 
     variant = isa.requested_variant()
-    if variant in (None, "", isa.NATIVE):
+    if variant is None:
         return {}
     held = _HELD_ISA_ENVIRONMENTS.get(variant)
     if held is None:

@@ -3,8 +3,9 @@
 The build is keyed on the source, torch's version, this CPU's instruction sets and the flags
 (``-march=native``, or the variant ``TESSERA_CPU_ISA`` names: ``isa.py``), under
 ``~/.cache/tessera/kernels/`` (``TESSERA_CACHE`` moves it), so a machine compiles once, in
-about a minute, and loads in milliseconds after. Without a C++ compiler ``cpu_kernels()`` returns None, and with ``TESSERA_CPU_KERNELS=0`` it
-is not used: the model then runs its ATen formulation, same results, slower. A build found
+about a minute, and loads in milliseconds after. Without a C++ compiler ``cpu_kernels()``
+returns None, and with ``TESSERA_CPU_KERNELS=0`` it is not used: the model then runs its ATen
+formulation, same results, slower. A build found
 under the read-only prebuilt cache (``TESSERA_PREBUILT_CACHE``, where an image bakes it in) is
 loaded as is, without locking or compiling.
 

@@ -72,25 +72,31 @@ def runnable_variants(cpu_flags: set[str] | frozenset[str]) -> list[str]:
     return [name for name, variant in ISA_VARIANTS.items() if variant.cpu_flags <= cpu_flags]
 
 
+def named_variant(value: str | None) -> str | None:
+    """``value``, or None where it asks for this CPU's own build (unset, empty or native)."""
+    return None if not value or value == NATIVE else value
+
+
 def march_flags(requested: str | None, cpu_flags: set[str] | frozenset[str]) -> list[str]:
     """Compiler flags choosing the instruction set: ``-march=native`` unless ``requested`` names a
     variant, which must be one this CPU runs (code for instructions it lacks dies of SIGILL)."""
-    if requested in (None, "", NATIVE):
+    name = named_variant(requested)
+    if name is None:
         return ["-march=native"]
-    assert requested is not None
-    variant = ISA_VARIANTS.get(requested)
+    variant = ISA_VARIANTS.get(name)
     if variant is None:
         raise ValueError(
-            f"{VARIABLE}={requested!r} is not a variant: use {NATIVE} or one of {', '.join(ISA_VARIANTS)}"
+            f"{VARIABLE}={name!r} is not a variant: use {NATIVE} or one of {', '.join(ISA_VARIANTS)}"
         )
     missing = sorted(variant.cpu_flags - cpu_flags)
     if missing:
         raise ValueError(
-            f"{VARIABLE}={requested}: this CPU lacks {', '.join(missing)}; it runs "
+            f"{VARIABLE}={name}: this CPU lacks {', '.join(missing)}; it runs "
             f"{', '.join([NATIVE, *runnable_variants(cpu_flags)])}"
         )
     return list(variant.march)
 
 
 def requested_variant() -> str | None:
-    return os.environ.get(VARIABLE)
+    """The variant ``TESSERA_CPU_ISA`` names; None for this CPU's own build."""
+    return named_variant(os.environ.get(VARIABLE))
