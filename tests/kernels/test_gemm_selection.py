@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.kernels import gemm_selection
-from tessera.kernels.gemm import BACKENDS, GATED_KERNELS, AtenWeight, candidates, pack_gated_panels
+from tessera.kernels import gemm_selection, native_ops
+from tessera.kernels.gemm import (
+    BACKENDS,
+    GATED_KERNELS,
+    AtenWeight,
+    PackedWeight,
+    candidates,
+    pack_gated_panels,
+)
 from tessera.models.layers.activation import silu_and_mul
 from tessera.models.layers.linear import (
     ColumnParallelLinear,
@@ -235,6 +243,65 @@ def test_forced_backend_serves_sharded_layers_like_aten(
         torch.testing.assert_close(
             got.float(), expected.float(), atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype]
         )
+
+
+@pytest.mark.parametrize(("backend", "dtype"), CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in CASES])
+def test_every_backend_locates_its_weight_and_multiplies_alike_once_it_is_evicted(
+    backend: str, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randn(96, 80, generator=generator).to(dtype)
+    x = torch.randn(5, 80, generator=generator).to(dtype)
+    packed = BACKENDS[backend].pack(weight)
+    before = packed.matmul(x, None)
+    ranges = gemm_selection.memory_ranges(packed)
+    # Every packed form holds at least the weight's own bytes (padding and copies only add).
+    assert ranges and sum(size for _, size in ranges) >= weight.numel() * weight.element_size()
+    assert all(address > 0 for address, _ in ranges)
+    assert gemm_selection.evict(packed) is (native_ops(torch.device("cpu")) is not None)
+    torch.testing.assert_close(packed.matmul(x, None), before, atol=0, rtol=0)
+
+
+def test_every_candidate_is_timed_on_an_evicted_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[tuple[str, str]] = []
+    real_evict = gemm_selection.evict
+
+    def recording_evict(form: PackedWeight) -> bool:
+        events.append(("evict", form.backend))
+        return real_evict(form)
+
+    def packing(
+        name: str, real_pack: Callable[[torch.Tensor], PackedWeight]
+    ) -> Callable[[torch.Tensor], PackedWeight]:
+        def pack(weight: torch.Tensor) -> PackedWeight:
+            form = real_pack(weight)
+            real_matmul = form.matmul
+
+            def matmul(
+                x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False
+            ) -> torch.Tensor:
+                events.append(("matmul", name))
+                return real_matmul(x, bias, may_pad_rows)
+
+            form.matmul = matmul  # type: ignore[method-assign]
+            return form
+
+        return pack
+
+    for name, backend in BACKENDS.items():
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(backend, pack=packing(name, backend.pack)))
+    monkeypatch.setattr(gemm_selection, "evict", recording_evict)
+    weight = torch.randn(64, 48)
+    rows = (4, 32)
+    gemm_selection.measure(weight, rows)
+    names = [backend.name for backend in candidates(weight)]
+    evictions = [i for i, (kind, _) in enumerate(events) if kind == "evict"]
+    # Each eviction is followed by its own form's timed call, and every call but one warm-up per
+    # candidate and row count follows one.
+    assert all(events[i + 1] == ("matmul", events[i][1]) for i in evictions)
+    assert len(events) - 2 * len(evictions) == len(names) * len(rows)
+    for name in names:
+        assert events.count(("evict", name)) >= gemm_selection._MIN_ROUNDS * len(rows)
 
 
 def test_a_verdict_is_measured_once_recorded_and_reused(

@@ -26,11 +26,16 @@ class PackedWeight(ABC):
     """A weight ``[out, in]`` in the form one GEMM backend multiplies fastest."""
 
     backend: str
+    data: torch.Tensor
 
     @abstractmethod
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
         """``x @ weight.T (+ bias)``. With ``may_pad_rows`` the caller accepts a result whose rows
         lie further apart than their width (a view); backends that gain nothing by it ignore it."""
+
+    def storage(self) -> list[torch.Tensor]:
+        """The tensors that hold the weight in this form (what a GEMM call reads besides ``x``)."""
+        return [self.data]
 
 
 class AtenWeight(PackedWeight):
@@ -148,6 +153,9 @@ class Fp32MklPackedWeight(PackedWeight):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
         out = self.inner.matmul(x.float(), None if bias is None else bias.float())
         return out.to(x.dtype)
+
+    def storage(self) -> list[torch.Tensor]:
+        return self.inner.storage()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Choose each weight's GEMM backend by measuring the candidates on this machine, once.
 
 A choice is per ``(out, in, dtype, threads, row profile, candidates)``: tensor-parallel shards are
-measured at their own shapes. It is recorded in ``gemm_selection.v2.json`` beside the native
+measured at their own shapes. It is recorded in ``gemm_selection.v3.json`` beside the native
 kernel build (same folder, same key: torch version, CPU flags, kernel sources), so a machine
 measures a shape once and every later load, on any rank, reuses the verdict. Verdicts under the
 same key in the read-only prebuilt cache (an image's, or the host's that `make demo` mounts into
@@ -9,7 +9,9 @@ rank pods) serve where this cache has none, so pods starting together need not m
 ``TESSERA_GEMM_BACKEND=aten|mkl|onednn|mkl_fp32|panels|amx`` forces one backend where it is supported.
 
 Scoring: each candidate is timed at every row count of the profile (decode-sized and
-prefill-sized batches) and scored by the geometric mean of its time relative to the fastest
+prefill-sized batches), its packed weight evicted from the caches before every call (a decode
+step streams every layer's weights, so each GEMM meets its weight in memory, not in cache), and
+scored by the geometric mean of its time relative to the fastest
 candidate at that row count, so a shape that is slow at prefill and one slow at decode weigh
 alike, whatever the absolute times.
 
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tessera.kernels import _cache_root, build_key
+from tessera.kernels import _cache_root, build_key, native_ops
 from tessera.kernels.gemm import BACKENDS, PackedWeight, candidates
 from tessera.worker.cpu_binding import PROCESS_CPUS
 
@@ -44,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 # v2: verdicts measured while other processes held the CPUs are no longer recorded, and the
 # first file may hold such verdicts (MKL over oneDNN on an EPYC where oneDNN wins every shape).
-SELECTION_FILE = "gemm_selection.v2.json"
+# v3: timed on weights evicted from the caches; v2's were timed on cached weights.
+SELECTION_FILE = "gemm_selection.v3.json"
 FORCE_VARIABLE = "TESSERA_GEMM_BACKEND"
 # Rows a linear layer multiplies: decode batches and prefill chunks.
 LAYER_ROWS = (8, 64, 512)
@@ -161,15 +164,38 @@ def _record(key: str, selection: Selection) -> None:
         logger.warning("could not record the GEMM selection in %s: %s", path, error)
 
 
+def memory_ranges(form: PackedWeight) -> list[tuple[int, int]]:
+    """(address, bytes) of each tensor holding ``form``'s weight; oneDNN's reordered weights are
+    opaque tensors, located through its own ops."""
+    ranges = []
+    for tensor in form.storage():
+        if tensor.is_mkldnn:
+            ranges.append((torch.ops.mkldnn.data_ptr(tensor), torch.ops.mkldnn._nbytes(tensor)))
+        else:
+            ranges.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+    return ranges
+
+
+def evict(form: PackedWeight) -> bool:
+    """Drops ``form``'s weight from the caches; False where this build cannot (native kernels
+    off or unbuildable, or a CPU without a cache-line flush the kernels know)."""
+    ops = native_ops(torch.device("cpu"))
+    if ops is None:
+        return False
+    return all([ops.evict_from_caches(address, size) for address, size in memory_ranges(form)])
+
+
 def _best_times(packed: dict[str, PackedWeight], x: torch.Tensor) -> dict[str, float]:
-    """Best time of each form on ``x``, in interleaved rounds: on a shared machine a burst of
-    load then slows every candidate alike instead of deciding the verdict."""
+    """Best time of each form on ``x``, its weight evicted from the caches before each call, in
+    interleaved rounds: on a shared machine a burst of load then slows every candidate alike
+    instead of deciding the verdict."""
     for form in packed.values():
         form.matmul(x, None)  # warm-up: first-call allocations and oneDNN primitive creation
     best = dict.fromkeys(packed, math.inf)
     spent, rounds = 0.0, 0
     while rounds < _MIN_ROUNDS or spent < _TIME_BUDGET_S * len(packed):
         for name, form in packed.items():
+            evict(form)
             started = time.perf_counter()
             form.matmul(x, None)
             elapsed = time.perf_counter() - started
