@@ -182,7 +182,8 @@ def evict(form: PackedWeight) -> bool:
     ops = native_ops(torch.device("cpu"))
     if ops is None:
         return False
-    return all([ops.evict_from_caches(address, size) for address, size in memory_ranges(form)])
+    evicted = [ops.evict_from_caches(address, size) for address, size in memory_ranges(form)]
+    return all(evicted)  # every range evicted, even after one that could not be
 
 
 def _best_times(packed: dict[str, PackedWeight], x: torch.Tensor) -> dict[str, float]:
