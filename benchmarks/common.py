@@ -290,6 +290,36 @@ def measure_matmul_peak(
     }
 
 
+def measure_memory_read(megabytes: int = 512, repeats: int = 3) -> float:
+    """Best GB/s of reading a buffer larger than the caches (``torch.sum``, current thread count).
+
+    A shared VM's memory bandwidth moves with its neighbours' load (11 to 29 GB/s between hours
+    on one 2-vCPU Xeon); when it is low, both engines of a race wait on the same bytes and their
+    ratio shrinks toward 1, so a result records it at its start and its end.
+    """
+    buffer = torch.ones(megabytes << 18)  # float32: 2**18 of them per MB
+    best = 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = max(best, buffer.numel() * buffer.element_size() / (time.perf_counter() - started))
+    return round(best / 1e9, 1)
+
+
+def memory_read_report(at_start: float) -> dict[str, Any]:
+    """The run's memory bandwidth at its start (``at_start``) and now, printed and for its JSON."""
+    at_end = measure_memory_read()
+    print(
+        f"memory read at {torch.get_num_threads()} threads: {at_start} GB/s at the start, {at_end} at the end"
+    )
+    return {
+        "start": at_start,
+        "end": at_end,
+        "threads": torch.get_num_threads(),
+        "method": "torch.sum of 512 MB, best of 3",
+    }
+
+
 def _single_thread_gemm_rate(ready: Any, start: Any, seconds: float, result: Any) -> None:
     """Decoder-shaped fp32 GEMMs (64 rows x 576 -> 1536) on one thread for ``seconds``."""
     torch.set_num_threads(1)

@@ -63,7 +63,9 @@ from common import (
     group_stopped,
     hold_to_cpu_isa,
     measure_matmul_peak,
+    measure_memory_read,
     median_index,
+    memory_read_report,
     new_figure,
     order_note,
     peer_python_path,
@@ -683,6 +685,8 @@ def main() -> None:
 
     # transformers always runs in fp32, so its fraction of peak needs the fp32 peak too.
     peak_dtypes = [*args.dtypes, *([] if args.skip_transformers or "float32" in args.dtypes else ["float32"])]
+    memory_read_at_start = measure_memory_read()
+    print(f"memory read at {threads} threads: {memory_read_at_start} GB/s", flush=True)
     peaks = {dtype: measure_matmul_peak(getattr(torch, dtype)) for dtype in peak_dtypes}
     for dtype, peak in peaks.items():
         print(
@@ -840,6 +844,7 @@ def main() -> None:
         },
         "environment": environment_info(),
         "matmul_peak": peaks,
+        "memory_read_gb_s": memory_read_report(memory_read_at_start),
         "flop_model": {**asdict(flop_model), "doc": inspect.cleandoc(FlopModel.__doc__ or "")},
         "transformers": {
             "dtype": "float32",

