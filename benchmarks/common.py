@@ -290,7 +290,11 @@ def measure_matmul_peak(
     }
 
 
-def measure_memory_read(megabytes: int = 512, repeats: int = 3) -> float:
+# What measure_memory_read reads, and how often (the best pass counts).
+MEMORY_READ_MB, MEMORY_READ_REPEATS = 512, 3
+
+
+def measure_memory_read(megabytes: int = MEMORY_READ_MB, repeats: int = MEMORY_READ_REPEATS) -> float:
     """Best GB/s of reading a buffer larger than the caches (``torch.sum``, current thread count).
 
     A shared VM's memory bandwidth moves with its neighbours' load (11 to 29 GB/s between hours
@@ -316,7 +320,7 @@ def memory_read_report(at_start: float) -> dict[str, Any]:
         "start": at_start,
         "end": at_end,
         "threads": torch.get_num_threads(),
-        "method": "torch.sum of 512 MB, best of 3",
+        "method": f"torch.sum of {MEMORY_READ_MB} MB, best of {MEMORY_READ_REPEATS}",
     }
 
 
