@@ -48,9 +48,11 @@ k8s: $(STAMP)
 	bash e2e/install_k8s.sh
 
 # The race against vLLM's CPU backend (benchmarks/README.md), offline and through the servers,
-# about 20 minutes on 2 cores (vLLM's venv is installed on first use). BENCH_TAG=genoa writes
+# after the GEMM backends on the model's shapes (what the kernel selection chose from here):
+# about 21 minutes on 2 cores (vLLM's venv is installed on first use). BENCH_TAG=genoa writes
 # benchmarks/results/*_genoa.{json,png} instead of the files kept for the reference machine.
 bench: $(STAMP)
+	TESSERA_BENCH_TAG=$(BENCH_TAG) $(PY) benchmarks/gemm_backends.py
 	TESSERA_BENCH_TAG=$(BENCH_TAG) $(PY) benchmarks/offline_throughput.py --batch-sizes 64
 	TESSERA_BENCH_TAG=$(BENCH_TAG) $(PY) benchmarks/serving_vs_vllm.py
 

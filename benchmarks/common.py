@@ -398,11 +398,12 @@ def save_figure(name: str, figure: Any) -> Path:
     return path
 
 
-def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.5) -> tuple[Any, Any]:
-    """A figure on the non-interactive backend (benchmarks run headless)."""
+def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.5, nrows: int = 1) -> tuple[Any, Any]:
+    """A figure on the non-interactive backend (benchmarks run headless); ``width`` and ``height``
+    are each subplot's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
