@@ -8,10 +8,10 @@ backend at each row count, twice:
   (each weight is read once per step, from memory);
 - hot: the weight already cached, as a prefill chunk's row blocks meet it after the first.
 
-gate_up is timed as the model runs it: each plain product followed by the model's SwiGLU
-(``silu_and_mul``), beside the gated kernels (``GATED_KERNELS``: SwiGLU in the GEMM's epilogue,
-the form the model runs where one of their backends is selected); GFLOP/s count the GEMM's
-multiply-adds alone. The backends take turns in each of ``--repeats`` rounds (each turn
+gate_up is timed as the model runs it and the selection times it (``SwiGLUProduct``): each plain
+product followed by the model's SwiGLU (``silu_and_mul``), or a gated kernel (SwiGLU in the GEMM's
+epilogue) where the backend has one, shown beside that backend's plain product and SwiGLU pass;
+GFLOP/s count the GEMM's multiply-adds alone. The backends take turns in each of ``--repeats`` rounds (each turn
 an untimed call, then three timed ones; the best counts), so a burst of load from other processes
 slows every candidate alike. The selection's verdict for each shape (recorded, or measured now
 as a model load would) and the machine's matmul peak are written beside the timings. Compare
@@ -28,7 +28,15 @@ import time
 from typing import Any
 
 import torch
-from common import environment_info, measure_matmul_peak, new_figure, save_figure, set_threads, write_json
+from common import (
+    environment_info,
+    hold_to_cpu_isa,
+    measure_matmul_peak,
+    new_figure,
+    save_figure,
+    set_threads,
+    write_json,
+)
 from offline_throughput import MODEL
 
 from tessera.kernels import gemm, gemm_selection
@@ -52,48 +60,18 @@ def layer_shapes(config: Any) -> dict[str, tuple[int, int]]:
     }
 
 
-class GatedForm(gemm.PackedWeight):
-    """A gated weight (SwiGLU in the epilogue) timed as a candidate among the plain forms."""
-
-    def __init__(self, gated: gemm.GatedPanelWeight) -> None:
-        self.gated = gated
-        self.backend = f"gated {gated.backend}"
-        self.data = gated.data
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
-        return self.gated.silu_and_mul(x)
-
-
-class ThenSwiGLU(gemm.PackedWeight):
-    """A plain form of gate_up followed by the model's own ``silu_and_mul``, as the model runs it
-    where the selected backend has no gated kernel."""
-
-    def __init__(self, plain: gemm.PackedWeight) -> None:
-        self.plain = plain
-        self.backend = plain.backend
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
-        return silu_and_mul(self.plain.matmul(x, None))
-
-    def storage(self) -> list[torch.Tensor]:
-        return self.plain.storage()
-
-
 def candidate_forms(name: str, weight: torch.Tensor) -> dict[str, gemm.PackedWeight]:
-    """Each candidate backend's form of ``weight``; for gate_up, each with SwiGLU after it, and the
-    gated kernels beside them."""
-    forms = {backend.name: backend.pack(weight) for backend in gemm.candidates(weight)}
+    """Each candidate backend's form of ``weight`` as the selection times it; for gate_up, the
+    gated kernels' backends also unfused, to show what their epilogue saves."""
     if name != "gate_up":
-        return forms
-    gated = [
-        GatedForm(gemm.pack_gated_panels(weight, backend))
-        for backend in gemm.GATED_KERNELS
-        if backend in forms
-    ]
-    return {
-        **{key: ThenSwiGLU(form) for key, form in forms.items()},
-        **{form.backend: form for form in gated},
-    }
+        return {backend.name: backend.pack(weight) for backend in gemm.candidates(weight)}
+    forms: dict[str, gemm.PackedWeight] = {}
+    for backend in gemm.candidates(weight):
+        product = gemm.SwiGLUProduct(backend.name, weight, silu_and_mul)
+        forms[f"gated {backend.name}" if product.gated is not None else backend.name] = product
+        if product.gated is not None:
+            forms[backend.name] = gemm.SwiGLUProduct(backend.name, weight, silu_and_mul, fused=False)
+    return forms
 
 
 # Timed calls of one form in a row, within each round.
@@ -127,7 +105,8 @@ def measure_shape(
     generator = torch.Generator().manual_seed(0)
     weight = (torch.randn(shape, generator=generator) * 0.02).to(dtype)
     forms = candidate_forms(name, weight)
-    verdict = gemm_selection.selected_backend(weight)  # recorded, or measured now as a model load would
+    # Recorded, or measured now as a model load would (gate_up: as SiluGatedLinear selects it).
+    verdict = gemm_selection.selected_backend(weight, swiglu=silu_and_mul if name == "gate_up" else None)
     gflops: dict[str, dict[str, dict[str, float]]] = {"cold": {}, "hot": {}}
     with torch.inference_mode():
         for count in rows:
@@ -182,6 +161,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     threads = set_threads(args.threads)
+    hold_to_cpu_isa()  # TESSERA_CPU_ISA: another kind's instructions, before the first GEMM
     rows = [int(count) for count in args.rows.split(",")]
     dtypes = [DTYPES[name] for name in args.dtypes.split(",")]
 

@@ -23,6 +23,7 @@ from tessera.kernels.gemm import (
     GATED_KERNELS,
     AtenWeight,
     PackedWeight,
+    SwiGLUProduct,
     candidates,
     pack_gated_panels,
 )
@@ -214,6 +215,42 @@ def test_silu_gated_layer_matches_aten_on_every_backend(
         got = layer(x)
         assert got.shape == (9, 20)
         torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype] * 10, rtol=TOLERANCE[dtype])
+
+
+def test_swiglu_weights_are_selected_as_their_layer_runs_them(selection_file: Path) -> None:
+    """gate_up's candidates are timed as SiluGatedLinear runs them (the gated kernels with SwiGLU in
+    their epilogue, every other backend followed by the activation pass), under a key of their
+    own; the verdict decides whether the layer runs gated, and every form gives SwiGLU."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(2 * 40, 64, generator=generator)
+    x = torch.randn(5, 64, generator=generator)
+    expected = swiglu_reference(x, weight)
+    _, forms = gemm_selection.measure(weight, (4, 32), silu_and_mul)
+    assert set(forms) == {backend.name for backend in candidates(weight)}
+    for name, form in forms.items():
+        assert isinstance(form, SwiGLUProduct)
+        assert (form.gated is not None) == (name in GATED_KERNELS)
+        torch.testing.assert_close(form.matmul(x, None), expected, atol=1e-3, rtol=1e-4)
+    layer = SiluGatedLinear(64, [40, 40], params_dtype=torch.float32)
+    layer.weight.data.copy_(weight)
+    process_weights_after_loading(layer)
+    key = gemm_selection.selection_key(weight, gemm_selection.LAYER_ROWS, swiglu=True)
+    assert ":swiglu:" in key and key != gemm_selection.selection_key(weight, gemm_selection.LAYER_ROWS)
+    recorded = json.loads(selection_file.read_text())
+    assert set(recorded) == {key}  # the plain product's verdict is never asked for
+    assert (layer.gated_weight is not None) == (recorded[key]["backend"] in GATED_KERNELS)
+    torch.testing.assert_close(layer(x), expected, atol=1e-3, rtol=1e-4)
+
+
+def test_a_large_swiglu_weight_is_sampled_from_both_halves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gated kernels pair gate row i with up row W + i: a sample keeps as many of each."""
+    monkeypatch.setattr(gemm_selection, "MEASURE_BYTES_LIMIT", 16 << 10)
+    weight = torch.randn(512, 48)
+    sample = gemm_selection.measure_sample(weight, swiglu=True)
+    each = sample.shape[0] // 2
+    assert sample.shape == (2 * each, 48) and each == 64
+    assert torch.equal(sample[:each], weight[:each]) and torch.equal(sample[each:], weight[256 : 256 + each])
+    assert torch.equal(gemm_selection.measure_sample(weight), weight[:64])
 
 
 def test_panel_gemm_leaves_odd_bf16_widths_to_other_backends() -> None:
@@ -474,9 +511,9 @@ def test_an_unrecorded_verdict_serves_every_layer_of_its_shape_in_this_process(
     measured: list[tuple[int, ...]] = []
     real_measure = gemm_selection.measure
 
-    def counting_measure(weight: torch.Tensor, rows: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    def counting_measure(weight: torch.Tensor, rows: tuple[int, ...], swiglu: Any = None):  # type: ignore[no-untyped-def]
         measured.append(tuple(weight.shape))
-        return real_measure(weight, rows)
+        return real_measure(weight, rows, swiglu)
 
     monkeypatch.setattr(gemm_selection, "measure", counting_measure)
     layers = [pack_weight(torch.randn(64, 48)) for _ in range(3)] + [pack_weight(torch.randn(32, 48))]

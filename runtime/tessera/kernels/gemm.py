@@ -251,3 +251,36 @@ BACKENDS: dict[str, GemmBackend] = {
 def candidates(weight: torch.Tensor) -> list[GemmBackend]:
     """The backends that can multiply ``weight`` on this machine (ATen always can)."""
     return [backend for backend in BACKENDS.values() if backend.supports(weight)]
+
+
+class SwiGLUProduct(PackedWeight):
+    """SwiGLU's gate_up weight (``[2W, K]``) as its layer multiplies it, ``[M, K] -> [M, W]``: the
+    backend's gated kernel where it has one (``GATED_KERNELS``), else its plain product followed by
+    ``activation``. What the GEMM selection times for such a layer: the plain product's time alone
+    misses the ``[M, 2W]`` intermediate that only the unfused path writes and reads back."""
+
+    def __init__(
+        self,
+        backend: str,
+        weight: torch.Tensor,
+        activation: Callable[[torch.Tensor], torch.Tensor],
+        fused: bool = True,
+    ) -> None:
+        """``fused=False``: the plain product and the activation even where a gated kernel exists."""
+        self.backend = backend
+        self.activation = activation
+        self.gated = pack_gated_panels(weight, backend) if fused and backend in GATED_KERNELS else None
+        self.plain = BACKENDS[backend].pack(weight) if self.gated is None else None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, may_pad_rows: bool = False) -> torch.Tensor:
+        if self.gated is not None:
+            assert bias is None, "the gated kernels take no bias"
+            return self.gated.silu_and_mul(x)
+        assert self.plain is not None
+        return self.activation(self.plain.matmul(x, bias))
+
+    def storage(self) -> list[torch.Tensor]:
+        if self.gated is not None:
+            return [self.gated.data]
+        assert self.plain is not None
+        return self.plain.storage()

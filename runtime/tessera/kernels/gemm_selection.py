@@ -18,6 +18,13 @@ smallest packed form wins: MKL's packed copy of SmolLM2's QKV weight is 5x the w
 against 2.2), and on a Xeon with AMX it tied with the panels (scores 1.015 and 1.021) while
 holding 280 MB more over 30 layers, bytes a memory-bound decode step may have to stream.
 
+SwiGLU's gate_up weight is timed as its layer runs it (``select_swiglu_product``, key suffix
+``:swiglu``): the backends with a gated kernel (``GATED_KERNELS``) through it, with the activation
+in the GEMM's epilogue, every other backend followed by the activation pass. On a Xeon with AMX,
+SmolLM2's fp32 gate_up scored MKL at 1.01-1.08 of the panels' time on the plain product and 1.17
+as the layer runs it: a backend that wins a plain product by less than the pass costs would
+otherwise be chosen and run the layer slower.
+
 A verdict is recorded only when nothing else wanted the CPUs while it was measured: other
 processes' CPU time (and the hypervisor's steal) beyond the cores this process leaves free
 biases the timings, as OpenMP's threads suffer more from a preempted peer than a less parallel
@@ -35,6 +42,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +50,7 @@ from typing import Any
 import torch
 
 from tessera.kernels import _cache_root, build_key, native_ops
-from tessera.kernels.gemm import BACKENDS, PackedWeight, candidates
+from tessera.kernels.gemm import BACKENDS, GemmBackend, PackedWeight, SwiGLUProduct, candidates
 from tessera.worker.cpu_binding import PROCESS_CPUS
 
 logger = logging.getLogger(__name__)
@@ -125,14 +133,18 @@ def selection_path() -> Path:
     return _cache_root() / build_key() / SELECTION_FILE
 
 
-def selection_key(weight: torch.Tensor, rows: tuple[int, ...]) -> str:
+# What a layer does with its product, for the selection: nothing, or SwiGLU (see SwiGLUProduct).
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def selection_key(weight: torch.Tensor, rows: tuple[int, ...], swiglu: bool = False) -> str:
     out_features, in_features = weight.shape
     dtype = str(weight.dtype).removeprefix("torch.")
     # The candidates too: a verdict among fewer backends (kernels disabled, new backend) is no verdict.
     names = ",".join(backend.name for backend in candidates(weight))
     return (
         f"{dtype}:{out_features}x{in_features}:threads={torch.get_num_threads()}"
-        f":rows={','.join(map(str, rows))}:candidates={names}"
+        f":rows={','.join(map(str, rows))}{':swiglu' if swiglu else ''}:candidates={names}"
     )
 
 
@@ -228,22 +240,34 @@ def _best_times(packed: dict[str, PackedWeight], x: torch.Tensor) -> dict[str, f
     return best
 
 
-def measure_sample(weight: torch.Tensor) -> torch.Tensor:
+def measure_sample(weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
     """What the candidates race on: ``weight`` itself, or, past MEASURE_BYTES_LIMIT, its first
     output rows (a multiple of 64, the same K): measuring packs every candidate at once, and
     a large model's LM head (2 GB in fp32 for 128k x 4096) would otherwise be packed four times
-    over while a pod sized for the model loads. The backends differ per output column and K."""
+    over while a pod sized for the model loads. The backends differ per output column and K.
+    A SwiGLU gate_up weight (gate rows over up rows) keeps as many rows of each half."""
     row_bytes = weight.shape[1] * weight.element_size()
     if weight.shape[0] * row_bytes <= MEASURE_BYTES_LIMIT:
         return weight
-    return weight[: max(64, MEASURE_BYTES_LIMIT // row_bytes // 64 * 64)]
+    if not swiglu:
+        return weight[: max(64, MEASURE_BYTES_LIMIT // row_bytes // 64 * 64)]
+    half = weight.shape[0] // 2
+    each = min(half, max(64, MEASURE_BYTES_LIMIT // row_bytes // 2 // 64 * 64))
+    return torch.cat([weight[:each], weight[half : half + each]])
 
 
-def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dict[str, PackedWeight]]:
-    """Time every candidate on ``weight`` (or its sample); returns the verdict and the packed forms
-    of the whole weight it built (none when it measured a sample)."""
-    sample = measure_sample(weight)
-    packed = {backend.name: backend.pack(sample) for backend in candidates(sample)}
+def layer_form(backend: GemmBackend, weight: torch.Tensor, swiglu: Activation | None = None) -> PackedWeight:
+    """``weight`` in ``backend``'s form, as its layer multiplies it (``swiglu``: see SwiGLUProduct)."""
+    return backend.pack(weight) if swiglu is None else SwiGLUProduct(backend.name, weight, swiglu)
+
+
+def measure(
+    weight: torch.Tensor, rows: tuple[int, ...], swiglu: Activation | None = None
+) -> tuple[Selection, dict[str, PackedWeight]]:
+    """Time every candidate on ``weight`` (or its sample), each as its layer would run it; returns
+    the verdict and the forms of the whole weight it built (none when it measured a sample)."""
+    sample = measure_sample(weight, swiglu is not None)
+    packed = {backend.name: layer_form(backend, sample, swiglu) for backend in candidates(sample)}
     generator = torch.Generator().manual_seed(0)
     log_ratio = dict.fromkeys(packed, 0.0)
     with torch.inference_mode(), _ContentionMeter() as contention:
@@ -259,9 +283,11 @@ def measure(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[Selection, dic
     return selection, packed if sample is weight else {}
 
 
-def _select(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, PackedWeight | None]:
+def _select(
+    weight: torch.Tensor, rows: tuple[int, ...], swiglu: Activation | None = None
+) -> tuple[str, PackedWeight | None]:
     """The fastest backend's name here (forced, recorded, or measured now) and, when measuring
-    built it, its packed form."""
+    built it, its form (``layer_form``)."""
     supported = {backend.name for backend in candidates(weight)}
     forced = os.environ.get(FORCE_VARIABLE)
     if forced:
@@ -270,13 +296,13 @@ def _select(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, PackedWei
         return (forced if forced in supported else "aten"), None
     if len(supported) == 1:
         return "aten", None
-    key = selection_key(weight, rows)
+    key = selection_key(weight, rows, swiglu is not None)
     recorded = recorded_selections().get(key)
     if isinstance(recorded, dict) and recorded.get("backend") in supported:
         return recorded["backend"], None
     if key in _unrecorded_verdicts:
         return _unrecorded_verdicts[key], None
-    selection, packed = measure(weight, rows)
+    selection, packed = measure(weight, rows, swiglu)
     if selection.contended:
         _unrecorded_verdicts[key] = selection.backend
         logger.info(
@@ -292,12 +318,24 @@ def _select(weight: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, PackedWei
     return selection.backend, packed.get(selection.backend)
 
 
-def selected_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> str:
-    """The name of the backend that multiplies ``weight`` fastest here (recorded, or measured now)."""
-    return _select(weight, rows)[0]
+def selected_backend(
+    weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS, swiglu: Activation | None = None
+) -> str:
+    """The name of the backend that multiplies ``weight`` fastest here (recorded, or measured now);
+    with ``swiglu``, the fastest at SwiGLU's gate_up as its layer runs it (``SwiGLUProduct``)."""
+    return _select(weight, rows, swiglu)[0]
 
 
 def select_backend(weight: torch.Tensor, rows: tuple[int, ...] = LAYER_ROWS) -> PackedWeight:
     """``weight`` in the form of the backend that multiplies it fastest here (recorded, or measured now)."""
     name, packed = _select(weight, rows)
     return packed if packed is not None else BACKENDS[name].pack(weight)
+
+
+def select_swiglu_product(
+    weight: torch.Tensor, swiglu: Activation, rows: tuple[int, ...] = LAYER_ROWS
+) -> SwiGLUProduct:
+    """SwiGLU's gate_up ``weight`` as the backend fastest at it here multiplies it (recorded, or
+    measured now on every candidate as the layer would run it)."""
+    name, packed = _select(weight, rows, swiglu)
+    return packed if isinstance(packed, SwiGLUProduct) else SwiGLUProduct(name, weight, swiglu)

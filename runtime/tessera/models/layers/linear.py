@@ -25,8 +25,8 @@ from tessera.distributed.communication import (
     tp_all_reduce,
     tp_reduce_scatter,
 )
-from tessera.kernels.gemm import GATED_KERNELS, AtenWeight, GatedPanelWeight, PackedWeight, pack_gated_panels
-from tessera.kernels.gemm_selection import LAYER_ROWS, LM_HEAD_ROWS, select_backend, selected_backend
+from tessera.kernels.gemm import AtenWeight, GatedPanelWeight, PackedWeight
+from tessera.kernels.gemm_selection import LAYER_ROWS, LM_HEAD_ROWS, select_backend, select_swiglu_product
 from tessera.models.checkpoint import CheckpointTensor, materialize
 from tessera.models.layers.activation import silu_and_mul
 
@@ -226,7 +226,11 @@ class SiluGatedLinear(MergedColumnParallelLinear):
     activation runs in the GEMM's epilogue (``GatedPanelWeight``): the ``[tokens, 2 * intermediate]``
     projection is never written out and read back. On a 2-core EPYC Turin this made the fp32
     gate_up + activation of a 2048-token prefill chunk 17% faster (30 layers: 511 -> 436 ms), 5% at
-    512 tokens, level at decode sizes; bf16 2% at 2048 tokens.
+    512 tokens, level at decode sizes; bf16 2% at 2048 tokens. So the backend is chosen by timing
+    each candidate as this layer runs it (``select_swiglu_product``), the gated kernels with their
+    epilogue and the others followed by the activation: timed on the plain products alone, a
+    backend that wins the product by less than the activation pass costs would be chosen, and
+    the layer would run slower.
     """
 
     # Set by pack_weights where the panels (or AMX panels) multiply this weight.
@@ -234,13 +238,16 @@ class SiluGatedLinear(MergedColumnParallelLinear):
 
     def pack_weights(self) -> None:
         weight = self.weight.data
-        backend = selected_backend(weight) if weight.device.type == "cpu" else None
-        if self.bias is None and backend in GATED_KERNELS:
+        if weight.device.type != "cpu" or self.bias is not None:
+            super().pack_weights()  # the gated kernels take no bias: the plain product's verdict
+            return
+        product = select_swiglu_product(weight, silu_and_mul)
+        if product.gated is not None:
             # Gated panels in place of plain ones: this layer only ever multiplies for SwiGLU.
-            self.gated_weight = pack_gated_panels(weight, backend)
+            self.gated_weight = product.gated
             self.release_dense_weight()
         else:
-            super().pack_weights()
+            self.use_packed(product.plain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gather_input:
