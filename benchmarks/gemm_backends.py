@@ -37,27 +37,13 @@ from common import (
     set_threads,
     write_json,
 )
-from offline_throughput import MODEL
+from offline_throughput import MODEL, layer_shapes
 
 from tessera.kernels import gemm, gemm_selection
 from tessera.models.layers.activation import silu_and_mul
 
 NAME = "gemm_backends"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def layer_shapes(config: Any) -> dict[str, tuple[int, int]]:
-    """One decoder layer's weights as ``(out_features, in_features)``, unsharded."""
-    hidden = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    q_dim = config.num_attention_heads * head_dim
-    kv_dim = config.num_key_value_heads * head_dim
-    return {
-        "qkv": (q_dim + 2 * kv_dim, hidden),
-        "o": (hidden, q_dim),
-        "gate_up": (2 * config.intermediate_size, hidden),
-        "down": (hidden, config.intermediate_size),
-    }
 
 
 def candidate_forms(name: str, weight: torch.Tensor) -> dict[str, gemm.PackedWeight]:

@@ -170,6 +170,20 @@ def disjoint_workloads(
     return chosen
 
 
+def layer_shapes(config: Any) -> dict[str, tuple[int, int]]:
+    """One decoder layer's weights as ``(out_features, in_features)``, unsharded."""
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_dim = config.num_attention_heads * head_dim
+    kv_dim = config.num_key_value_heads * head_dim
+    return {
+        "qkv": (q_dim + 2 * kv_dim, hidden),
+        "o": (hidden, q_dim),
+        "gate_up": (2 * config.intermediate_size, hidden),
+        "down": (hidden, config.intermediate_size),
+    }
+
+
 @dataclass(frozen=True)
 class FlopModel:
     """Forward FLOPs of a Llama-family decoder, counting matmuls only (2 FLOPs per multiply-add).
@@ -189,14 +203,10 @@ class FlopModel:
 
     @classmethod
     def from_config(cls, config: Any) -> FlopModel:
-        hidden, layers = config.hidden_size, config.num_hidden_layers
-        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-        q_dim = config.num_attention_heads * head_dim
-        kv_dim = config.num_key_value_heads * head_dim
-        per_layer = (
-            hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden + 3 * hidden * config.intermediate_size
-        )
-        return cls(per_layer * layers, layers, q_dim, hidden, config.vocab_size)
+        shapes = layer_shapes(config)
+        per_layer = sum(out_features * in_features for out_features, in_features in shapes.values())
+        layers, q_dim = config.num_hidden_layers, shapes["o"][1]
+        return cls(per_layer * layers, layers, q_dim, config.hidden_size, config.vocab_size)
 
     def request_flops(self, prompt_len: int, output_len: int) -> float:
         fed = prompt_len + output_len - 1
