@@ -120,39 +120,6 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def _cpuinfo_field(name: str) -> str | None:
-    """The first processor's ``name`` field in ``/proc/cpuinfo``, or None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == name:
-                return value.strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model() -> str:
-    """The model name, with family/model/stepping: a VM may only say "AMD EPYC", and the
-    numbers tell Milan (family 25 model 1) from Genoa (family 25 model 17)."""
-    name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
-    ids = [_cpuinfo_field(field) for field in ("cpu family", "model", "stepping")]
-    if all(ids):
-        name += f" (family {ids[0]} model {ids[1]} stepping {ids[2]})"
-    return name
-
-
-def cpu_flags() -> list[str]:
-    """The instruction sets (``/proc/cpuinfo`` flags): which GEMM kernels a CPU can run depends on them."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return []
-
-
 def git_revision() -> str | None:
     # Read-only query; a benchmark run outside a checkout simply has no revision.
     try:
@@ -216,14 +183,19 @@ def peer_python_path() -> dict[str, str]:
     return {"PYTHONPATH": os.environ[PEER_SITE]} if PEER_SITE in os.environ else {}
 
 
+KERNEL_SETTINGS = ("TESSERA_GEMM_BACKEND", "TESSERA_CPU_KERNELS", "TESSERA_CPU_ISA")
+
+
 def environment_info() -> dict[str, Any]:
     """What a reader needs to compare two result files: hardware, threads, versions, revision."""
+    from tessera import kernels
+
     return {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "platform": platform.platform(),
-        "cpu_model": cpu_model(),
-        "cpu_flags": cpu_flags(),
+        "cpu_model": kernels.cpu_model(),
+        "cpu_flags": sorted(kernels.cpu_flags()),
         "cpu_count_host": os.cpu_count(),
         "cpu_count_available": available_cores(),
         "torch_num_threads": torch.get_num_threads(),
@@ -234,6 +206,8 @@ def environment_info() -> dict[str, Any]:
         "tessera": package_version("tessera"),
         "git_revision": git_revision(),
         "held_to_cpu_isa": dict(_held_environment) or None,
+        # Settings that change which kernels Tessera runs (a forced GEMM backend, kernels off).
+        "tessera_kernel_settings": {name: os.environ[name] for name in KERNEL_SETTINGS if name in os.environ},
     }
 
 

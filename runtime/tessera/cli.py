@@ -1,4 +1,4 @@
-"""``tessera`` command line: generate | serve | bench | worker (a rank process of a parallel layout).
+"""``tessera`` command line: generate | serve | bench | kernels | worker (a rank process of a layout).
 
 Each subcommand's module registers its own flags; this file only wires them.
 """
@@ -45,6 +45,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernels(args: argparse.Namespace) -> int:
+    from tessera.kernels import report  # imports torch: not for the other subcommands' start
+
+    return report.run(json_output=args.json, forget=args.forget)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tessera", description="Run LLMs across many accelerators.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(generate)
     _add_sampling_args(generate)
     generate.set_defaults(handler=_generate)
+
+    kernels = sub.add_parser(
+        "kernels", help="the CPU kernel build and the GEMM backend chosen per weight shape"
+    )
+    kernels.add_argument("--json", action="store_true", help="the report as JSON")
+    kernels.add_argument(
+        "--forget", action="store_true", help="delete the recorded GEMM verdicts (re-measured on load)"
+    )
+    kernels.set_defaults(handler=_kernels)
 
     for register in _optional_subcommands():
         register(sub)

@@ -63,6 +63,28 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpu_features().partition(":")[2].split())
 
 
+def _cpuinfo_field(name: str) -> str | None:
+    """The first processor's ``name`` field in ``/proc/cpuinfo``, or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == name:
+                return value.strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    """The model name, with family/model/stepping: a VM may only say "AMD EPYC", and the
+    numbers tell Milan (family 25 model 1) from Genoa (family 25 model 17)."""
+    name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    ids = [_cpuinfo_field(field) for field in ("cpu family", "model", "stepping")]
+    if all(ids):
+        name += f" (family {ids[0]} model {ids[1]} stepping {ids[2]})"
+    return name
+
+
 def compile_flags(march: list[str]) -> list[str]:
     return ["-O3", *march, "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
 
@@ -91,12 +113,26 @@ def _cache_root() -> Path:
     return Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")) / "kernels"
 
 
-def _load_prebuilt(key: str) -> ModuleType | None:
-    """The extension module an image compiled for this exact key, if there is one."""
+def _prebuilt_extension(key: str) -> Path:
     from tessera.models.registry import prebuilt_cache_root
 
-    path = prebuilt_cache_root() / "kernels" / key / f"{_module_name(key)}.so"
+    return prebuilt_cache_root() / "kernels" / key / f"{_module_name(key)}.so"
+
+
+def _load_prebuilt(key: str) -> ModuleType | None:
+    """The extension module an image compiled for this exact key, if there is one."""
+    path = _prebuilt_extension(key)
     return _load_extension(path) if path.is_file() else None
+
+
+def build_state() -> tuple[str, Path]:
+    """This build's state without building it (``disabled``, ``prebuilt``, ``built`` or ``not
+    built``) and where its extension module is, or will be once a model loads."""
+    key = build_key()
+    prebuilt, own = _prebuilt_extension(key), _cache_root() / key / f"{_module_name(key)}.so"
+    if prebuilt.is_file():
+        return ("prebuilt" if ENABLED else "disabled"), prebuilt
+    return ("disabled" if not ENABLED else "built" if own.is_file() else "not built"), own
 
 
 def _module_name(key: str) -> str:

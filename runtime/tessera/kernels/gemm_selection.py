@@ -42,7 +42,8 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,38 @@ def selection_key(weight: torch.Tensor, rows: tuple[int, ...], swiglu: bool = Fa
     )
 
 
+@dataclass(frozen=True)
+class SelectionKey:
+    """What a recorded verdict was measured for (``selection_key`` spelled out)."""
+
+    dtype: str
+    out_features: int
+    in_features: int
+    threads: int
+    rows: tuple[int, ...]
+    swiglu: bool
+    candidates: tuple[str, ...]
+
+
+def parse_selection_key(key: str) -> SelectionKey:
+    """The fields of a ``selection_key``; ValueError for anything else."""
+    dtype, shape, *fields = key.split(":")
+    named = dict(field.partition("=")[::2] for field in fields if "=" in field)
+    try:
+        out_features, in_features = (int(size) for size in shape.split("x"))
+        return SelectionKey(
+            dtype=dtype,
+            out_features=out_features,
+            in_features=in_features,
+            threads=int(named["threads"]),
+            rows=tuple(int(count) for count in named["rows"].split(",")),
+            swiglu="swiglu" in fields,
+            candidates=tuple(named["candidates"].split(",")),
+        )
+    except (KeyError, ValueError) as error:
+        raise ValueError(f"not a GEMM selection key: {key!r}") from error
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -162,18 +195,44 @@ def prebuilt_selection_path() -> Path:
     return prebuilt_cache_root() / "kernels" / build_key() / SELECTION_FILE
 
 
+def recorded_selections_by_source() -> dict[str, dict[str, Any]]:
+    """Each file's verdicts: the read-only prebuilt cache's (``prebuilt``) and this cache's."""
+    return {"prebuilt": _read(prebuilt_selection_path()), "this cache": _read(selection_path())}
+
+
 def recorded_selections() -> dict[str, Any]:
     """This cache's verdicts, over the prebuilt cache's for the same build key."""
-    return {**_read(prebuilt_selection_path()), **_read(selection_path())}
+    by_source = recorded_selections_by_source()
+    return {**by_source["prebuilt"], **by_source["this cache"]}
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Exclusive use of the selection file ``path``: ranks loading at once must not drop each
+    other's verdicts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{SELECTION_FILE}.lock", "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        yield
+
+
+def forget_recorded() -> int:
+    """Deletes this cache's verdicts, so that the next load measures every shape again; returns
+    how many there were. The read-only prebuilt cache's verdicts are not this cache's to delete."""
+    path = selection_path()
+    if not path.exists():
+        return 0
+    with _locked(path):
+        count = len(_read(path))
+        path.unlink(missing_ok=True)
+    return count
 
 
 def _record(key: str, selection: Selection) -> None:
-    """Merge one verdict into the file: ranks loading at once must not drop each other's."""
+    """Merge one verdict into the file."""
     path = selection_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.parent / f".{SELECTION_FILE}.lock", "a+") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        with _locked(path):
             data = _read(path)
             data[key] = {
                 "backend": selection.backend,
