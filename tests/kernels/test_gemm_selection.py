@@ -520,3 +520,34 @@ def test_an_unrecorded_verdict_serves_every_layer_of_its_shape_in_this_process(
     assert measured == [(64, 48), (32, 48)]
     assert len({layer.backend for layer in layers[:3] if layer is not None}) == 1
     assert not selection_file.exists()  # used by this process, recorded nowhere
+
+
+def test_a_loaded_model_logs_the_backend_each_layer_runs(
+    selection_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One line per load names each layer's GEMM backend, as the layers really run: what a rank
+    pod's log tells of its kernels."""
+    model = torch.nn.Module()
+    model.qkv_proj = ColumnParallelLinear(64, 96, bias=False, params_dtype=torch.float32)
+    model.gate_up_proj = SiluGatedLinear(64, [40, 40], params_dtype=torch.float32)
+    for parameter in model.parameters():
+        parameter.data.normal_()
+    with caplog.at_level("INFO", logger="tessera.models.layers.linear"):
+        process_weights_after_loading(model)
+    [line] = [
+        record.getMessage() for record in caplog.records if record.getMessage().startswith("GEMM backends")
+    ]
+    qkv = model.qkv_proj.packed_weight
+    gate_up = model.gate_up_proj
+    assert qkv is not None
+    expected_gate_up = (
+        f"gated {gate_up.gated_weight.backend}"
+        if gate_up.gated_weight is not None
+        else gate_up.packed_weight.backend
+    )
+    assert line == f"GEMM backends: qkv_proj {qkv.backend}; gate_up_proj {expected_gate_up}"
+    recorded = json.loads(selection_file.read_text())
+    assert (
+        recorded[gemm_selection.selection_key(torch.empty(96, 64), gemm_selection.LAYER_ROWS)]["backend"]
+        == qkv.backend
+    )

@@ -12,6 +12,7 @@ AVX-512 panels or ATen's ``F.linear``; see ``tessera.kernels.gemm_selection``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,8 @@ from tessera.kernels.gemm import AtenWeight, GatedPanelWeight, PackedWeight
 from tessera.kernels.gemm_selection import LAYER_ROWS, LM_HEAD_ROWS, select_backend, select_swiglu_product
 from tessera.models.checkpoint import CheckpointTensor, materialize
 from tessera.models.layers.activation import silu_and_mul
+
+logger = logging.getLogger(__name__)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -378,8 +381,29 @@ def process_weights_after_loading(model: nn.Module) -> None:
     """
     from tessera.models.layers.embedding import ParallelLMHead  # embedding imports this module
 
-    for module in model.modules():
+    backends: dict[str, set[str]] = {}  # layer name (last part) -> the backends its weights run on
+    for name, module in model.named_modules():
         if isinstance(module, LinearBase):
             module.pack_weights()
         elif isinstance(module, ParallelLMHead):
             module.packed_weight = pack_weight(module.weight.data, LM_HEAD_ROWS)
+        else:
+            continue
+        backend = gemm_backend(module)
+        if backend is not None:
+            backends.setdefault(name.rpartition(".")[2] or type(module).__name__, set()).add(backend)
+    if backends:  # what a pod's log should say about its kernels (`tessera kernels`: the scores)
+        logger.info(
+            "GEMM backends: %s",
+            "; ".join(f"{layer} {', '.join(sorted(names))}" for layer, names in backends.items()),
+        )
+
+
+def gemm_backend(module: nn.Module) -> str | None:
+    """The GEMM backend a packed layer multiplies with (``gated`` with SwiGLU in its epilogue),
+    None where ``F.linear`` on the dense weight is the kernel (off CPU)."""
+    gated = getattr(module, "gated_weight", None)
+    if isinstance(gated, GatedPanelWeight):
+        return f"gated {gated.backend}"
+    packed = getattr(module, "packed_weight", None)
+    return packed.backend if isinstance(packed, PackedWeight) else None
