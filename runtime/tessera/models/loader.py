@@ -7,17 +7,19 @@ its checkpoint tensor, and layers of other pipeline stages are never read at all
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tessera.models.checkpoint import iterate_lazily
 from tessera.models.decoder_stack import build_decoder_stack
 from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
-from tessera.models.layers.linear import process_weights_after_loading
+from tessera.models.layers.linear import gemm_backend, process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -125,3 +127,26 @@ def load_model(
         time.monotonic() - started,
     )
     return model
+
+
+def select_gemm_backends(folder: Path, *, dtype: torch.dtype, tp_size: int = 1) -> dict[str, str]:
+    """Measures (and records) the GEMM backends of the weights one CPU rank of ``tp_size`` holds
+    for the model in ``folder``, as ``load_model`` would: one decoder layer and the LM head, built
+    by the model's own classes on random weights (the backends' speed depends on shapes, not
+    values). What an image bakes in beside its kernels: rank pods starting together on one node
+    otherwise measure while the others load, and such timings are noise (on 2 cores, in two demo
+    starts 3 and 4 of the 6 ranks ran some layer on another backend than the rest). Returns
+    each layer's backend (``gemm_backend``); ValueError for a ``tp_size`` the model does not split over."""
+    config: Any = copy.copy(load_hf_config(folder))  # config.json's fields are its attributes
+    config.num_hidden_layers = 1  # every layer has the same shapes
+    model = model_class_for(config)(config, dtype=dtype, tp_size=tp_size)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():  # not torch.empty's garbage: denormals time slower
+            parameter.copy_(torch.randn(parameter.shape, generator=generator).mul_(0.02))
+    process_weights_after_loading(model)
+    return {
+        name.rpartition(".")[2]: backend
+        for name, module in model.named_modules()
+        if (backend := gemm_backend(module)) is not None
+    }
