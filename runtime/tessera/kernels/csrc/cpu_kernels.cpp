@@ -463,8 +463,8 @@ torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch
   return out;
 }
 
-// The dtypes Tessera's panel GEMM (panel_gemm.h) multiplies on this CPU: it needs AVX-512 (and
-// AVX512-BF16 for bf16) or AVX2 with FMA (bf16 widened to fp32).
+// The dtypes Tessera's panel GEMM (panel_gemm.h) multiplies on this CPU: it needs AVX-512 (bf16
+// through AVX512-BF16, or widened to fp32 with AVX512-BW) or AVX2 with FMA (bf16 widened).
 std::vector<std::string> panel_gemm_dtypes() {
   std::vector<std::string> dtypes;
   if (panels::kFp32) dtypes.emplace_back("float32");

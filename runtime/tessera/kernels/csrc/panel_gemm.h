@@ -2,8 +2,9 @@
 // one contiguous block read front to back, and a register tile holds the fp32 sums of a few rows
 // times one panel.
 // - AVX-512: 48-column panels ([K][48] fp32, or [K/2][48][2] bf16: the pair-interleaved operand of
-//   vdpbf16ps, which needs AVX512-BF16), 8 rows x 48 columns (24 zmm, plus 3 for the weights and 1
-//   for the broadcast input).
+//   vdpbf16ps, where AVX512-BF16 is), 8 rows x 48 columns (24 zmm, plus 3 for the weights and 1
+//   for the broadcast input). Without AVX512-BF16 (Ice Lake, Cascade Lake, Skylake) bf16 weights
+//   stay bf16 in memory and are widened in registers, as on AVX2 below.
 // - AVX2 + FMA (no AVX-512): 16-column panels ([K][16]), 6 rows x 16 columns (12 ymm, plus 2 for
 //   the weights and 1 for the input, as BLIS's Haswell kernel). bf16 weights stay bf16 in memory,
 //   ordered so that interleaving them with zero words (one vpunpck{l,h}wd each) widens them to fp32
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "panel_rows.h"
 
@@ -52,10 +54,11 @@ constexpr bool kFp32 = true;
 #else
 constexpr bool kFp32 = false;
 #endif
-// bf16 as input pairs for vdpbf16ps, or (AVX2) widened to fp32 in the register tile.
+// bf16 as input pairs for vdpbf16ps, or (AVX2, AVX-512 without AVX512-BF16) widened to fp32 in
+// the register tile.
 #if defined(TESSERA_PANELS_AVX512) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kBf16 = true, kBf16Pairs = true;
-#elif defined(TESSERA_PANELS_AVX2)
+#elif (defined(TESSERA_PANELS_AVX512) && defined(__AVX512BW__)) || defined(TESSERA_PANELS_AVX2)
 constexpr bool kBf16 = true, kBf16Pairs = false;
 #else
 constexpr bool kBf16 = false, kBf16Pairs = false;
@@ -64,11 +67,12 @@ constexpr bool kBf16 = false, kBf16Pairs = false;
 constexpr bool kWidenBf16Inputs = kBf16 && !kBf16Pairs;
 
 // Where column col of a panel's k-row sits among its kCols bf16 words on the widening path:
-// vpunpcklwd/vpunpckhwd take words 0-3 / 4-7 of each 128-bit lane, so 4-column runs alternate
-// between the panel's two vectors.
+// the first two vectors are widened from one load by vpunpcklwd/vpunpckhwd, which take words 0-3
+// / 4-7 of each 128-bit lane, so 4-column runs alternate between them; AVX-512's third vector
+// is widened from a load of its own by vpmovzxwd, in column order.
 constexpr int64_t widened_word(int64_t col) {
   const int64_t vector = col / kLanes, lane = col % kLanes;
-  return 8 * (lane / 4) + 4 * vector + lane % 4;
+  return vector < 2 ? 8 * (lane / 4) + 4 * vector + lane % 4 : col;
 }
 
 using PlainRows = PlainPanelRows<kCols>;
@@ -111,6 +115,33 @@ inline void store(float* y, __m512 sum, __mmask16 mask) { _mm512_mask_storeu_ps(
 inline void store(uint16_t* y, __m512 sum, __mmask16 mask) {
   _mm256_mask_storeu_epi16(y, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
 }
+#else
+// fp32 -> bf16 rounded to nearest even (NaN -> 0x7FC0, as torch), narrowed as it is stored.
+inline void store(uint16_t* y, __m512 sum, __mmask16 mask) {
+  const __m512i bits = _mm512_castps_si512(sum);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q);
+  _mm512_mask_cvtepi32_storeu_epi16(y, mask, _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+#endif
+
+// One k step's 48 weights as three vectors of fp32: bf16 widened (the panel laid out by
+// widened_word; a bf16 is the top half of its fp32, so a zero word goes below each one).
+inline void load_weights(const float* w, __m512 (&out)[3]) {
+  out[0] = _mm512_loadu_ps(w);
+  out[1] = _mm512_loadu_ps(w + 16);
+  out[2] = _mm512_loadu_ps(w + 32);
+}
+
+#if defined(__AVX512BW__)
+inline void load_weights(const uint16_t* w, __m512 (&out)[3]) {
+  const __m512i first_two = _mm512_loadu_si512(w);
+  out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), first_two));
+  out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), first_two));
+  const __m256i third = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+  out[2] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(third), 16));
+}
 #endif
 
 using Sums = __m512[3];  // one tile row's sums: the panel's 48 columns
@@ -124,25 +155,25 @@ struct StoreSums {
   }
 };
 
-// Rows [0, R) of x times one panel, each row's sums (plus the panel's fp32 bias when given)
-// written by the epilogue at y + r * ldy.
-template <int R, typename T, typename Epilogue>
-inline void tile(const T* x, int64_t k, const T* panel, const float* bias, const ColumnMasks& masks, T* y,
+// Rows [0, R) of x (T, or fp32 where bf16 inputs are widened by the caller) times one panel,
+// each row's sums (plus the panel's fp32 bias when given) written by the epilogue at y + r * ldy.
+template <int R, typename In, typename T, typename Epilogue>
+inline void tile(const In* x, int64_t k, const T* panel, const float* bias, const ColumnMasks& masks, T* y,
                  int64_t ldy, const char* prefetch, int64_t prefetch_lines, const Epilogue& epilogue) {
   __m512 sum[R][3];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = sum[r][2] = _mm512_setzero_ps();
-  if constexpr (sizeof(T) == 4) {
+  if constexpr (std::is_same_v<In, float>) {
     for (int64_t i = 0; i < k; ++i) {
       if (i < prefetch_lines) _mm_prefetch(prefetch + i * 64, _MM_HINT_T1);
-      const float* w = panel + i * kCols;
-      const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16), w2 = _mm512_loadu_ps(w + 32);
+      __m512 w[3];
+      load_weights(panel + i * kCols, w);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 in = _mm512_set1_ps(x[r * k + i]);
-        sum[r][0] = _mm512_fmadd_ps(in, w0, sum[r][0]);
-        sum[r][1] = _mm512_fmadd_ps(in, w1, sum[r][1]);
-        sum[r][2] = _mm512_fmadd_ps(in, w2, sum[r][2]);
+        sum[r][0] = _mm512_fmadd_ps(in, w[0], sum[r][0]);
+        sum[r][1] = _mm512_fmadd_ps(in, w[1], sum[r][1]);
+        sum[r][2] = _mm512_fmadd_ps(in, w[2], sum[r][2]);
       }
     }
   } else {
