@@ -96,6 +96,16 @@ void pack_panel(const T* weight, int64_t k, int64_t panel, const RowOf& row_of, 
   }
 }
 
+// fp32 -> bf16 bits in each 32-bit lane's low half, rounded to nearest even (NaN -> 0x7FC0, as
+// torch), for a vector of fp32 sums of either width (__m256, __m512).
+template <typename Floats>
+inline auto bf16_bits(Floats sum) {
+  typedef uint32_t Bits __attribute__((vector_size(sizeof(Floats))));
+  const Bits bits = reinterpret_cast<Bits>(sum);
+  const Bits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return sum != sum ? Bits{} + 0x7FC0u : rounded;
+}
+
 #if defined(TESSERA_PANELS_AVX512)
 
 // Lanes of each of the panel's three vectors that hold real columns (the last panel may be short).
@@ -116,13 +126,8 @@ inline void store(uint16_t* y, __m512 sum, __mmask16 mask) {
   _mm256_mask_storeu_epi16(y, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(sum)));
 }
 #else
-// fp32 -> bf16 rounded to nearest even (NaN -> 0x7FC0, as torch), narrowed as it is stored.
-inline void store(uint16_t* y, __m512 sum, __mmask16 mask) {
-  const __m512i bits = _mm512_castps_si512(sum);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q);
-  _mm512_mask_cvtepi32_storeu_epi16(y, mask, _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+inline void store(uint16_t* y, __m512 sum, __mmask16 mask) {  // narrowed as it is stored
+  _mm512_mask_cvtepi32_storeu_epi16(y, mask, reinterpret_cast<__m512i>(bf16_bits(sum)));
 }
 #endif
 
@@ -219,15 +224,6 @@ struct ColumnMasks {
   explicit ColumnMasks(int64_t cols) : live(std::min(cols, kCols)) {}
 };
 
-// fp32 -> bf16 bits in each lane's low half, rounded to nearest even (NaN -> 0x7FC0, as torch).
-inline __m256i bf16_bits(__m256 sum) {
-  const __m256i bits = _mm256_castps_si256(sum);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(sum, sum, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-}
-
 inline void store_full(float* y, const __m256 (&sum)[2]) {
   _mm256_storeu_ps(y, sum[0]);
   _mm256_storeu_ps(y + 8, sum[1]);
@@ -235,7 +231,8 @@ inline void store_full(float* y, const __m256 (&sum)[2]) {
 
 inline void store_full(uint16_t* y, const __m256 (&sum)[2]) {
   // packus interleaves 64-bit halves of its operands per 128-bit lane; the permute restores order.
-  const __m256i words = _mm256_packus_epi32(bf16_bits(sum[0]), bf16_bits(sum[1]));
+  const __m256i words = _mm256_packus_epi32(reinterpret_cast<__m256i>(bf16_bits(sum[0])),
+                                            reinterpret_cast<__m256i>(bf16_bits(sum[1])));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm256_permute4x64_epi64(words, 0xD8));
 }
 
