@@ -58,3 +58,13 @@ def leader_selector(cluster: str) -> dict[str, str]:
 
 def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def group_secret_name(cluster: str) -> str:
+    """The Secret (owned by the InferenceCluster) holding each group's rank-traffic secret."""
+    return f"{cluster}-group-secret"
+
+
+def group_secret_key(group: int) -> str:
+    """A group's key in that Secret: each rank pod mounts only its own group's key."""
+    return f"group-{group}"

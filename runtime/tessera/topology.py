@@ -16,6 +16,16 @@ DEFAULT_DIST_PORT = 29500
 DEFAULT_RPC_PORT = 29600
 DEFAULT_API_PORT = 8000
 
+# The group's shared secret, which authenticates every rank to its leader and to the rendezvous
+# (docs/SECURITY.md, "Rank traffic"). A file, never an environment value (environment dumps and
+# `kubectl describe` show those): the operator mounts key GROUP_SECRET_KEY of the Secret
+# `naming.group_secret_name(cluster)` (one key per group, `group-<index>`, projected to this file
+# name) at GROUP_SECRET_MOUNT_DIR, and `tessera serve --tp/--pp` writes a random one, mode 0600.
+GROUP_SECRET_FILE_ENV = "TESSERA_GROUP_SECRET_FILE"
+GROUP_SECRET_MOUNT_DIR = "/etc/tessera/group-secret"
+GROUP_SECRET_FILE_NAME = "secret"
+DEFAULT_GROUP_SECRET_FILE = f"{GROUP_SECRET_MOUNT_DIR}/{GROUP_SECRET_FILE_NAME}"
+
 
 class TopologyError(ValueError):
     """The topology environment is missing or inconsistent; the message names the variable."""
