@@ -2,7 +2,8 @@
 
 Each container runs under `unshare --mount` (private propagation), and a short shell prologue
 bind-mounts every emptyDir of the pod (a folder under the pod's state dir; `medium: Memory` is a
-tmpfs) at its mountPath, the image's baked-in artefacts (the host's Tessera cache, read-only, at
+tmpfs) and every secret volume (its keys written as files, as the kubelet projects them, and bound
+read-only) at its mountPath, the image's baked-in artefacts (the host's Tessera cache, read-only, at
 /opt/tessera/cache), and remounts the root read-only when the container asks for it. The mounts
 live only in that namespace, so they vanish with the container's last process: nothing to undo.
 
@@ -13,14 +14,19 @@ runs on) stay visible at their own paths even when a volume is mounted over a pa
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from e2e.container_spec import ContainerConfigError
+from e2e.kube_api import KubeApi
 
 # Where the runtime image keeps its prebuilt model conversions and CPU kernels (images/runtime-cpu.Dockerfile).
 IMAGE_PREBUILT_DIR = "/opt/tessera/cache"
@@ -71,8 +77,12 @@ def container_mounts(pod: Mapping[str, Any], container: Mapping[str, Any], pod_d
     for mount in container.get("volumeMounts") or []:
         volume = volumes.get(mount["name"], {})
         read_only = bool(mount.get("readOnly"))
-        if "emptyDir" not in volume:
-            log.warning("volume %r is not an emptyDir: not mounted by the node agent", mount["name"])
+        if "secret" in volume:  # written by write_secret_volumes before the container starts
+            mounts.append(Mount(mount["mountPath"], str(_secret_dir(pod_dir, mount["name"])), True))
+        elif "emptyDir" not in volume:
+            log.warning(
+                "volume %r is neither an emptyDir nor a secret: not mounted by the node agent", mount["name"]
+            )
         elif (volume["emptyDir"] or {}).get("medium") == "Memory":
             mounts.append(Mount(mount["mountPath"], None, read_only))
         else:
@@ -80,6 +90,40 @@ def container_mounts(pod: Mapping[str, Any], container: Mapping[str, Any], pod_d
             folder.mkdir(parents=True, exist_ok=True)
             mounts.append(Mount(mount["mountPath"], str(folder), read_only))
     return mounts
+
+
+def _secret_dir(pod_dir: Path, volume: str) -> Path:
+    return pod_dir / "secret-volumes" / volume
+
+
+async def write_secret_volumes(api: KubeApi, pod: Mapping[str, Any], pod_dir: Path) -> None:
+    """As the kubelet: each secret volume's keys (or its `items`) as files of the volume's mode,
+    read afresh at every container start. A missing Secret or key keeps the pod from starting
+    (the kubelet's MountVolume.SetUp failure), unless the volume is optional."""
+    namespace = pod["metadata"]["namespace"]
+    for volume in pod["spec"].get("volumes") or []:
+        source = volume.get("secret")
+        if source is None:
+            continue
+        secret = await api.get_or_none(f"/api/v1/namespaces/{namespace}/secrets/{source['secretName']}")
+        data = {k: base64.b64decode(v) for k, v in ((secret or {}).get("data") or {}).items()}
+        if secret is None and not source.get("optional"):
+            raise ContainerConfigError(
+                f"secret {source['secretName']!r} of volume {volume['name']!r} not found"
+            )
+        items = source.get("items") or [{"key": key, "path": key} for key in data]
+        folder = _secret_dir(pod_dir, volume["name"])
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True, mode=0o755)
+        for item in items:
+            if item["key"] not in data:
+                if source.get("optional"):
+                    continue
+                raise ContainerConfigError(f"secret {source['secretName']!r} has no key {item['key']!r}")
+            path = folder / item["path"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data[item["key"]])
+            path.chmod(int(item.get("mode", source.get("defaultMode", 0o644))))
 
 
 def ensure_mount_points(mounts: list[Mount]) -> None:

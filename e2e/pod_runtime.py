@@ -147,6 +147,7 @@ class PodRuntime:
             try:
                 container.env = await container_env(self.api, status_for_env, container.spec)
                 container_argv(container.spec, container.env)
+                await pod_mounts.write_secret_volumes(self.api, self.pod, self.dir)
             except ContainerConfigError as error:
                 container.waiting = ("CreateContainerConfigError", str(error))
                 self.config_error = str(error)

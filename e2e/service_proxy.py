@@ -2,9 +2,9 @@
 
 Bytes are forwarded both ways untouched, so streaming HTTP responses (server-sent events) pass as
 they are produced. Each new connection picks the next ready address (round robin) from the
-Endpoints object, re-read at most every second, so the proxy follows pods as they come and go;
-an endpoint that refuses the connection, or does not answer it within a few seconds (its pod's
-address is gone), is skipped for the next one.
+Endpoints object, re-read at most every second, so the proxy follows pods as they come and go.
+As kube-proxy, it tries that one endpoint only: one that refuses the connection, or does not
+answer it within a few seconds (its pod's address is gone), resets the client's connection.
 
     python -m e2e.service_proxy --kubeconfig K --namespace NS --service NAME --port 8000 --listen 18000
 """
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import logging
+import socket
+import struct
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,9 +76,9 @@ class ServiceProxy:
             task.add_done_callback(self._connections.discard)
         try:
             upstream_reader, upstream_writer = await self._connect()
-        except Exception:
-            log.exception("cannot reach %s:%d", self.service, self.port)
-            client_writer.close()
+        except Exception as error:
+            log.info("cannot reach %s:%d: %r", self.service, self.port, error)
+            _reset(client_writer)
             return
         peer = upstream_writer.get_extra_info("peername")
         started = time.monotonic()
@@ -86,31 +89,30 @@ class ServiceProxy:
         log.debug("connection to %s done after %.1f s", peer, time.monotonic() - started)
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """The next ready endpoint that accepts; one whose pod just stopped listening (it is
-        terminating and the Endpoints have not caught up yet) is skipped after a fresh read."""
+        """The next ready endpoint, tried once, as kube-proxy does: a pod that refuses the
+        connection (it stopped listening, the Endpoints have not caught up yet) refuses the
+        client too, so a leader going away shows in tests as it does to real clients."""
         targets = await self._current_targets()
-        turn = next(self._turn)
-        for attempt in range(2):
-            if not targets:
-                raise ConnectionError(f"no ready endpoint behind {self.service}:{self.port}")
-            ordered = targets[turn % len(targets) :] + targets[: turn % len(targets)]
-            for host, port in ordered:
-                try:
-                    return await asyncio.wait_for(
-                        asyncio.open_connection(host, port), CONNECT_TIMEOUT_SECONDS
-                    )
-                except (OSError, TimeoutError) as error:
-                    log.info("%s:%d: %r; trying another endpoint", host, port, error)
-            if attempt == 0:
-                await asyncio.sleep(ENDPOINTS_TTL_SECONDS)
-                targets = await self._current_targets(refresh=True)
-        raise ConnectionError(f"no endpoint behind {self.service}:{self.port} accepts connections")
+        if not targets:
+            raise ConnectionError(f"no ready endpoint behind {self.service}:{self.port}")
+        host, port = targets[next(self._turn) % len(targets)]
+        return await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_SECONDS)
 
     async def serve(self, listen_port: int, stop: asyncio.Event) -> None:
         server = await asyncio.start_server(self.handle, "127.0.0.1", listen_port)
         log.info("127.0.0.1:%d -> service %s port %d", listen_port, self.service, self.port)
         async with server:
             await stop.wait()
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (SO_LINGER 0): the client sees its connection refused or reset, as
+    through kube-proxy, never a clean empty answer."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -20,7 +20,7 @@ def rank_pod() -> dict[str, Any]:
     return builders.build_group(builders.ClusterRef("c", "ns", "u"), spec, "r", 0)[1]
 
 
-def test_a_rank_pod_gets_its_emptydirs_a_tmpfs_the_prebuilt_cache_and_a_read_only_root(
+def test_a_rank_pod_gets_its_emptydirs_a_tmpfs_and_the_prebuilt_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "host-cache"))
@@ -35,9 +35,9 @@ def test_a_rank_pod_gets_its_emptydirs_a_tmpfs_the_prebuilt_cache_and_a_read_onl
     for target in ("/cache", "/tmp"):
         assert Path(mounts[target].source or "").is_dir()
         assert Path(mounts[target].source or "").is_relative_to(tmp_path / "pod")
-    prologue = pod_mounts.mount_prologue(list(mounts.values()), pod_mounts.read_only_root(container))
-    assert prologue.endswith("mount -o remount,bind,ro / && ")
-    assert prologue.index("--bind -o ro") < prologue.index("remount")
+    # What a write to the read-only root, the emptyDir and the secret volume do in a running
+    # container: tests/integration/test_node_agent.py (..._read_only_root_its_secret_volume_...).
+    assert pod_mounts.read_only_root(container)
 
 
 def test_image_folders_under_a_volume_stay_visible_at_their_own_paths() -> None:
@@ -59,12 +59,6 @@ def test_a_container_starts_in_its_pod_folder_unless_a_mount_hides_it(tmp_path: 
     assert pod_mounts.working_dir({}, pod_dir, []) == str(pod_dir)
     assert pod_mounts.working_dir({}, pod_dir, [pod_mounts.Mount(str(tmp_path), "/x")]) == "/"
     assert pod_mounts.working_dir({"workingDir": "/w"}, pod_dir, []) == "/w"
-
-
-def test_worker_ranks_wait_for_the_leader_to_drain_before_sigterm() -> None:
-    pod = rank_pod()
-    hook = pod["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
-    assert hook == ["sleep", str(builders.WORKER_DRAIN_SECONDS)]
 
 
 def test_the_chart_arguments_are_pointed_at_this_host(tmp_path: Path) -> None:

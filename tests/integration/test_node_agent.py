@@ -348,3 +348,99 @@ def test_stopping_the_cluster_leaves_nothing_behind(local_cluster_full: LocalClu
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     leftovers = [str(cluster.workdir), f"--agent-id {cluster.agent_id}", podnet.name_prefix(cluster.agent_id)]
     assert not [line for line in ps.splitlines() if any(mark in line for mark in leftovers)]
+
+
+# A rank pod's container as the operator builds it (read-only root, the workers' preStop drain),
+# running a probe instead of the runtime: what a write to / does, what the secret volume holds,
+# and when SIGTERM arrives.
+ROOT_AND_DRAIN_PROBE = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    def say(line):
+        print(line, flush=True)
+    try:
+        open("/tessera-write-probe", "w").close()
+        say("root-write: ok")
+    except OSError as error:
+        say(f"root-write: {os.strerror(error.errno)}")
+    open("/tmp/scratch", "w").write("x")
+    say("tmp-write: ok")
+    path = sys.argv[1]
+    say(f"secret: {open(path).read()} mode {oct(os.stat(path).st_mode & 0o777)}")
+    signal.signal(signal.SIGTERM, lambda *_: (say(f"sigterm: {time.time()}"), sys.exit(0)))
+    say("ready")
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def test_a_rank_container_has_a_read_only_root_its_secret_volume_and_drains_before_sigterm(
+    local_cluster_full: LocalCluster, full_namespace: str
+) -> None:
+    from tessera_operator import builders
+    from tessera_operator.api import InferenceClusterSpec
+
+    cluster, ns = local_cluster_full, full_namespace
+    spec = InferenceClusterSpec.model_validate(
+        {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"pipeline": 2}}
+    )
+    worker = builders.build_group(builders.ClusterRef("c", ns, "u"), spec, "r", 0)[1]
+    built = worker["spec"]["containers"][0]
+    secret_path = "/etc/probe-secret/secret"
+    container = {
+        "args": ["-c", ROOT_AND_DRAIN_PROBE, secret_path],
+        "securityContext": built["securityContext"],
+        "lifecycle": built["lifecycle"],
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "key", "mountPath": "/etc/probe-secret", "readOnly": True},
+        ],
+    }
+    volumes = [
+        {"name": "tmp", "emptyDir": {}},
+        {
+            "name": "key",
+            "secret": {
+                "secretName": "probe",
+                "items": [{"key": "group-0", "path": "secret"}],
+                "defaultMode": 0o400,
+            },
+        },
+    ]
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "probe"},
+        "stringData": {"group-0": "k3y", "group-1": "other"},
+    }
+    apply(
+        cluster,
+        ns,
+        secret,
+        pod("probe", [PYTHON], restartPolicy="Never", container=container, volumes=volumes),
+    )
+    eventually(lambda: "ready" in cluster.container_log(ns, "probe", "main"), "the probe starts")
+    log = cluster.container_log(ns, "probe", "main")
+    assert "root-write: Read-only file system" in log
+    assert not Path("/tessera-write-probe").exists()
+    assert "tmp-write: ok" in log  # the emptyDir stays writable
+    assert "secret: k3y mode 0o400" in log  # only the group's own key, at the volume's mode
+
+    deleted_at = time.time()
+    cluster.kubectl("delete", "pod", "probe", "-n", ns, "--wait=false")
+    line = eventually(
+        lambda: next(
+            (
+                ln
+                for ln in cluster.container_log(ns, "probe", "main").splitlines()
+                if ln.startswith("sigterm")
+            ),
+            None,
+        ),
+        "SIGTERM reaches the container after its preStop hook",
+        timeout=builders.WORKER_DRAIN_SECONDS + 20,
+    )
+    # The hook held SIGTERM back for the drain (it is `sleep <drain>`), not a moment.
+    assert float(line.split()[1]) - deleted_at >= builders.WORKER_DRAIN_SECONDS - 1
+    eventually(lambda: pod_gone(cluster, ns, "probe"), "the pod is deleted", timeout=30)

@@ -108,13 +108,19 @@ def test_the_proxy_picks_ready_addresses_of_the_named_port() -> None:
         ready_targets(service, ENDPOINTS[0], 81)
 
 
-def test_the_proxy_skips_an_endpoint_that_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A deleted pod's address swallows the SYN: the proxy must move on, not wait for TCP's retries.
+def test_the_proxy_tries_one_endpoint_as_kube_proxy_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # kube-proxy never retries: a pod that refuses (it stopped listening while its Endpoints
+    # still list it) or swallows the SYN (its address is gone) fails that client's connection,
+    # with a reset; the next connection goes to the next endpoint.
     from e2e import service_proxy
 
-    async def run() -> str:
-        listener = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    async def run() -> list[bytes | str]:
+        listener = await asyncio.start_server(lambda r, w: (w.write(b"live"), w.close()), "127.0.0.1", 0)
         live_port = listener.sockets[0].getsockname()[1]
+        refusing = socket.socket()
+        refusing.bind(("127.0.0.1", 0))
+        refused_port = refusing.getsockname()[1]
+        refusing.close()  # bound once, never listening: connections to it are refused
         real_open = asyncio.open_connection
 
         async def open_connection(host: str, port: int) -> Any:
@@ -125,14 +131,22 @@ def test_the_proxy_skips_an_endpoint_that_never_answers(monkeypatch: pytest.Monk
         monkeypatch.setattr(service_proxy.asyncio, "open_connection", open_connection)
         monkeypatch.setattr(service_proxy, "CONNECT_TIMEOUT_SECONDS", 0.2)
         proxy = service_proxy.ServiceProxy(None, "ns", "web", 80)  # type: ignore[arg-type]
-        proxy._targets, proxy._read_at = [("10.9.9.9", 8080), ("127.0.0.1", live_port)], float("inf")
-        _reader, writer = await asyncio.wait_for(proxy._connect(), 5)
-        peer = writer.get_extra_info("peername")
-        writer.close()
+        proxy._read_at = float("inf")
+        proxy._targets = [("127.0.0.1", refused_port), ("10.9.9.9", 8080), ("127.0.0.1", live_port)]
+        front = await asyncio.start_server(proxy.handle, "127.0.0.1", 0)
+        answers: list[bytes | str] = []
+        for _ in range(3):
+            reader, writer = await real_open("127.0.0.1", front.sockets[0].getsockname()[1])
+            try:
+                answers.append(await asyncio.wait_for(reader.read(), 5))
+            except ConnectionResetError:
+                answers.append("reset")
+            writer.close()
+        front.close()
         listener.close()
-        return f"{peer[0]}:{peer[1] == live_port}"
+        return answers
 
-    assert asyncio.run(run()) == "127.0.0.1:True"
+    assert asyncio.run(run()) == ["reset", "reset", b"live"]
 
 
 def test_the_proxy_closes_the_pod_connection_of_a_client_that_left_before_the_answer(
