@@ -142,7 +142,15 @@ def mount_prologue(mounts: list[Mount], read_only_root: bool, keep_visible: Sequ
     lines = [
         f"mkdir -p {s} && mount --bind {shlex.quote(p)} {s}" for p, s in zip(hidden, stashes, strict=True)
     ]
-    lines += [m.shell() for m in mounts]
+    # A volume over a folder that holds another's source (a /tmp emptyDir, the pod's state
+    # under /tmp) goes after it, or that source would be hidden before it is bound.
+    hides_a_source = [
+        any(o is not m and o.source and Path(o.source).is_relative_to(m.target) for o in mounts)
+        for m in mounts
+    ]
+    lines += [
+        m.shell() for _, m in sorted(zip(hides_a_source, mounts, strict=True), key=lambda pair: pair[0])
+    ]
     options = "-o ro " if read_only_root else ""
     lines += [
         f"mkdir -p {shlex.quote(p)} && mount --bind {options}{s} {shlex.quote(p)}"

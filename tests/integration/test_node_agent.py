@@ -420,7 +420,11 @@ def test_a_rank_container_has_a_read_only_root_its_secret_volume_and_drains_befo
         secret,
         pod("probe", [PYTHON], restartPolicy="Never", container=container, volumes=volumes),
     )
-    eventually(lambda: "ready" in cluster.container_log(ns, "probe", "main"), "the probe starts")
+    try:
+        eventually(lambda: "ready" in cluster.container_log(ns, "probe", "main"), "the probe starts")
+    except AssertionError:
+        status = get_pod(cluster, ns, "probe").get("status")
+        raise AssertionError(f"{status}\n{cluster.container_log(ns, 'probe', 'main')}") from None
     log = cluster.container_log(ns, "probe", "main")
     assert "root-write: Read-only file system" in log
     assert not Path("/tessera-write-probe").exists()
