@@ -97,6 +97,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=CONFIG.webhook_managed,
         help="name of the ValidatingWebhookConfiguration the operator keeps current (the chart creates it)",
     )
+    auth = parser.add_argument_group(
+        "who may call the webhook (one of --webhook-client-ca or --webhook-insecure-skip-client-auth)"
+    )
+    auth.add_argument(
+        "--webhook-client-ca",
+        default=CONFIG.webhook_client_ca,
+        metavar="FILE",
+        help="CA bundle (PEM) that signs the client certificate the API server presents to webhooks "
+        "(its AdmissionConfiguration's kubeConfig); a review without such a certificate is refused",
+    )
+    auth.add_argument(
+        "--webhook-client-names",
+        type=names,
+        default=CONFIG.webhook_client_names,
+        metavar="A,B",
+        help="the names (CN or DNS SAN) that certificate may carry (required with --webhook-client-ca)",
+    )
+    auth.add_argument(
+        "--webhook-insecure-skip-client-auth",
+        action="store_true",
+        default=CONFIG.webhook_insecure_skip_client_auth,
+        help="INSECURE: take reviews from anyone who reaches the port, for API servers that present "
+        "no client certificate (managed clusters)",
+    )
+    auth.add_argument(
+        "--webhook-max-in-flight",
+        type=positive_int,
+        default=CONFIG.webhook_max_in_flight,
+        help="reviews judged at once; more are answered 429 at once",
+    )
     policy = CONFIG.pod_policy
     pods = parser.add_argument_group("what an InferenceCluster may put into its pods (default: nothing)")
     pods.add_argument(
@@ -132,6 +162,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=policy.max_pods_per_cluster,
         help="cap on (max(replicas, autoscaling.maxReplicas) + maxSurge) x tensor x pipeline of a cluster",
     )
+    pods.add_argument(
+        "--allow-control-plane",
+        action="store_true",
+        default=policy.allow_control_plane,
+        help="nodeSelector, node affinity and tolerations that place rank pods on control-plane nodes",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
@@ -163,6 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     CONFIG.webhook_service = args.webhook_service
     CONFIG.webhook_failure_policy = args.webhook_failure_policy
     CONFIG.webhook_namespace_selector = args.webhook_namespace_selector
+    CONFIG.webhook_client_ca = args.webhook_client_ca
+    CONFIG.webhook_client_names = frozenset(args.webhook_client_names)
+    CONFIG.webhook_insecure_skip_client_auth = args.webhook_insecure_skip_client_auth
+    CONFIG.webhook_max_in_flight = args.webhook_max_in_flight
+    if CONFIG.webhook_port is not None:
+        problem = webhook.client_auth_problem(CONFIG)
+        if problem:
+            raise SystemExit(f"tessera-operator: {problem}")
     CONFIG.pod_policy = PodPolicy(
         allow_host_path=args.allow_host_path,
         allow_secrets=args.allow_secrets,
@@ -170,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         allowed_service_accounts=frozenset(args.allowed_service_accounts),
         allowed_priority_classes=frozenset(args.allowed_priority_classes),
         max_pods_per_cluster=args.max_pods_per_cluster,
+        allow_control_plane=args.allow_control_plane,
     )
     if CONFIG.webhook_port is not None:
         webhook.register()

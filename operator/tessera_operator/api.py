@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
+from tessera_operator.bounded_json import excess
 from tessera_operator.quantity import MAX_LENGTH as MAX_QUANTITY_LENGTH
 from tessera_operator.quantity import QUANTITY_PATTERN
 
@@ -40,7 +42,15 @@ ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"  # Kubernetes' rule for envir
 
 
 # Kubernetes objects the operator passes through unchanged into the pod: the API server
-# validates them when the pod is created, the CRD keeps them as free-form objects.
+# validates them when the pod is created, the CRD keeps them as free-form objects. The schema
+# cannot bound their depth or total size (OpenAPI has no such keywords; maxProperties would bound
+# one level's keys only), so their validator `bounded` does: Python's recursive walks (json,
+# pydantic's dumps, hashing a revision) fail past some hundreds of levels, where the deepest pod
+# field Kubernetes defines nests about 10.
+MAX_FREE_FORM_DEPTH = 32
+MAX_FREE_FORM_BYTES = 64 * 1024  # compact JSON of one field (a list: all its items together)
+
+
 def free_form(description: str) -> Any:
     return Field(
         default=None,
@@ -55,6 +65,21 @@ def free_form_list(description: str) -> Any:
         max_length=MAX_LIST_ITEMS,
         description=description,
         json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+    )
+
+
+def bounded(value: Any) -> Any:
+    """A free-form field's validator (before any other): refused when it nests deeper than
+    MAX_FREE_FORM_DEPTH or takes more than MAX_FREE_FORM_BYTES, measured without recursion."""
+    found = excess(value, MAX_FREE_FORM_DEPTH, MAX_FREE_FORM_BYTES)
+    if found is None:
+        return value
+    if found[0] == "depth":
+        raise PydanticCustomError(
+            "free_form_depth", "nests deeper than {max_depth} levels", {"max_depth": MAX_FREE_FORM_DEPTH}
+        )
+    raise PydanticCustomError(
+        "free_form_size", "is larger than {max_bytes} bytes", {"max_bytes": MAX_FREE_FORM_BYTES}
     )
 
 
@@ -162,6 +187,8 @@ class EnvVar(Wire):
     value: str | None = Field(default=None, max_length=MAX_ENV_VALUE, description="Literal value.")
     value_from: dict[str, Any] | None = free_form("A Kubernetes EnvVarSource.")
 
+    _bounded = field_validator("value_from", mode="before")(bounded)
+
 
 class TemplateSpec(Wire):
     """What every rank pod looks like; the user's fields are merged into the operator's pod."""
@@ -225,6 +252,10 @@ class TemplateSpec(Wire):
     annotations: dict[str, str] = Field(
         default_factory=dict, max_length=MAX_LIST_ITEMS, description="Extra pod annotations."
     )
+
+    _bounded = field_validator(
+        "resources", "tolerations", "affinity", "volumes", "volume_mounts", mode="before"
+    )(bounded)
 
 
 class PlacementSpec(Wire):

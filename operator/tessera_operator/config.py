@@ -48,6 +48,7 @@ def pod_policy_from_environment() -> PodPolicy:
         allowed_service_accounts=names(os.environ.get("TESSERA_OPERATOR_ALLOWED_SERVICE_ACCOUNTS", "")),
         allowed_priority_classes=names(os.environ.get("TESSERA_OPERATOR_ALLOWED_PRIORITY_CLASSES", "")),
         max_pods_per_cluster=_int("TESSERA_OPERATOR_MAX_PODS_PER_CLUSTER", DEFAULT_MAX_PODS_PER_CLUSTER),
+        allow_control_plane=_flag("TESSERA_OPERATOR_ALLOW_CONTROL_PLANE"),
     )
 
 
@@ -96,6 +97,22 @@ class OperatorConfig:
     webhook_namespace_selector: dict[str, Any] | None = field(
         default_factory=lambda: label_selector(os.environ.get("TESSERA_WEBHOOK_NAMESPACE_SELECTOR", ""))
     )
+    # Who may call the webhook: a client certificate the API server presents (an
+    # AdmissionConfiguration's kubeConfig for webhooks), signed by this CA bundle and naming one of
+    # `webhook_client_names` (CN or a DNS SAN). Without a CA, only `webhook_insecure_skip_client_auth`
+    # lets the webhook start: then anyone who reaches its port may send reviews.
+    webhook_client_ca: str | None = field(
+        default_factory=lambda: os.environ.get("TESSERA_WEBHOOK_CLIENT_CA") or None
+    )
+    webhook_client_names: frozenset[str] = field(
+        default_factory=lambda: names(os.environ.get("TESSERA_WEBHOOK_CLIENT_NAMES", ""))
+    )
+    webhook_insecure_skip_client_auth: bool = field(
+        default_factory=lambda: _flag("TESSERA_WEBHOOK_INSECURE_SKIP_CLIENT_AUTH")
+    )
+    # Reviews judged at once; more are answered 429 at once (each holds its body, up to
+    # webhook.MAX_REVIEW_BYTES, and may make two dry-run pod creates).
+    webhook_max_in_flight: int = field(default_factory=lambda: _int("TESSERA_WEBHOOK_MAX_IN_FLIGHT", 4))
     # What a spec may put into rank pods (hostPath, Secrets, ServiceAccounts, ...) and the pod cap.
     pod_policy: PodPolicy = field(default_factory=pod_policy_from_environment)
 

@@ -5,8 +5,11 @@ borrows that right. By default a spec cannot reach node files (hostPath, or any 
 outside the Pod Security Standards' restricted list), Secrets (env `secretKeyRef`, secret
 volumes, a CSI driver's secret), API credentials (a ServiceAccount of its choice, projected
 tokens), a PriorityClass that preempts other work, or annotations that lift the container's
-confinement; the operator's configuration opens the first four one by one. No spec may ask
-for more than `max_pods_per_cluster` pods.
+confinement; the operator's configuration opens the first four one by one. The Secret
+allow-list covers `imagePullSecrets` too (the kubelet pulls with them on the pods' behalf). Nor
+may a spec place rank pods on control-plane nodes (a nodeSelector or node-affinity term on
+their role labels, a toleration of their NoSchedule taints) unless `allow_control_plane`. No
+spec may ask for more than `max_pods_per_cluster` pods.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ VOLUME_TYPES = frozenset(
     {"emptyDir", "configMap", "downwardAPI", "projected", "persistentVolumeClaim", "ephemeral", "csi"}
 )
 PROJECTED_SOURCES = frozenset({"configMap", "downwardAPI", "secret", "serviceAccountToken"})
+# The role labels of control-plane nodes, which kubeadm also taints NoSchedule with these keys.
+CONTROL_PLANE_KEYS = frozenset({"node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master"})
+CONTROL_PLANE_FLAG = "--allow-control-plane"
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class PodPolicy:
     allowed_service_accounts: frozenset[str] = frozenset()
     allowed_priority_classes: frozenset[str] = frozenset()
     max_pods_per_cluster: int = DEFAULT_MAX_PODS_PER_CLUSTER
+    allow_control_plane: bool = False  # rank pods may select and tolerate control-plane nodes
 
 
 SECRET_FLAGS = "--allowed-secrets NAME or --allow-secrets"
@@ -133,9 +140,67 @@ def _volume_errors(
     return errors
 
 
+def _selects_control_plane(expressions: Any) -> list[int]:
+    """Indexes of node-selector requirements that pick control-plane nodes (In, Exists on a role
+    label; NotIn and DoesNotExist keep pods away from them and pass)."""
+    return [
+        j
+        for j, e in enumerate(expressions if isinstance(expressions, list) else [])
+        if isinstance(e, dict)
+        and e.get("key") in CONTROL_PLANE_KEYS
+        and e.get("operator") in ("In", "Exists")
+    ]
+
+
+def _control_plane_errors(template: Any) -> list[FieldError]:
+    field = "spec.template"
+    placed = f"would place rank pods on control-plane nodes ({CONTROL_PLANE_FLAG})"
+    errors = [
+        FieldError(f"{field}.nodeSelector[{key}]", f"a control-plane node label {placed}")
+        for key in template.node_selector
+        if key in CONTROL_PLANE_KEYS
+    ]
+    node = (template.affinity or {}).get("nodeAffinity")
+    node = node if isinstance(node, dict) else {}
+    required = node.get("requiredDuringSchedulingIgnoredDuringExecution")
+    terms = required.get("nodeSelectorTerms") if isinstance(required, dict) else None
+    base = f"{field}.affinity.nodeAffinity"
+    for i, term in enumerate(terms if isinstance(terms, list) else []):
+        term = term if isinstance(term, dict) else {}
+        for j in _selects_control_plane(term.get("matchExpressions")):
+            where = f"{base}.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[{i}].matchExpressions[{j}]"
+            errors.append(FieldError(where, f"a control-plane node term {placed}"))
+    preferred = node.get("preferredDuringSchedulingIgnoredDuringExecution")
+    for i, weighted in enumerate(preferred if isinstance(preferred, list) else []):
+        preference = weighted.get("preference") if isinstance(weighted, dict) else None
+        expressions = preference.get("matchExpressions") if isinstance(preference, dict) else None
+        for j in _selects_control_plane(expressions):
+            where = f"{base}.preferredDuringSchedulingIgnoredDuringExecution[{i}].preference.matchExpressions[{j}]"
+            errors.append(FieldError(where, f"a control-plane node term {placed}"))
+    for i, toleration in enumerate(template.tolerations):
+        key, operator = toleration.get("key"), toleration.get("operator")
+        if toleration.get("effect") not in (None, "", "NoSchedule"):
+            continue  # the control-plane taints are NoSchedule
+        every_taint = not key and operator == "Exists"
+        if key in CONTROL_PLANE_KEYS or every_taint:
+            what = "a toleration of every taint" if every_taint else "a toleration of the control-plane taint"
+            errors.append(FieldError(f"{field}.tolerations[{i}]", f"{what} {placed}"))
+    return errors
+
+
 def check_pod_policy(spec: InferenceClusterSpec, policy: PodPolicy) -> list[FieldError]:
     template = spec.template
     errors = check_pod_count(spec, policy)
+    for i, secret in enumerate(template.image_pull_secrets):
+        if not policy.secret_allowed(secret):
+            errors.append(
+                FieldError(
+                    f"spec.template.imagePullSecrets[{i}]",
+                    _not_allowed(f"pulling the image with Secret {secret!r}", SECRET_FLAGS),
+                )
+            )
+    if not policy.allow_control_plane:
+        errors += _control_plane_errors(template)
     account = template.service_account_name
     if account is not None and account not in policy.allowed_service_accounts:
         errors.append(

@@ -57,6 +57,14 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
 
 
+# Suffixes that make one cluster's derived object name another's of the same kind: IC `a-ranks`'s
+# client Service (`<name>`) is IC `a`'s headless Service (`<name>-ranks`). The operator's other
+# derived names cannot meet (naming.py): pods end in `-g<i>-s<j>-t<k>`, read from the right; the
+# group Secret `<name>-group-secret` and the NetworkPolicies `<name>-ranks`, `<name>-clients` are
+# each the only objects of their kind named from a cluster, all with a suffix.
+DERIVED_SUFFIXES = (naming.headless_service_name(""),)
+
+
 def validate_name(name: str) -> list[FieldError]:
     if len(name) > MAX_CLUSTER_NAME or not CLUSTER_NAME_RE.fullmatch(name):
         return [
@@ -66,6 +74,16 @@ def validate_name(name: str) -> list[FieldError]:
                 f"(rank pod hostnames are derived from it), got {name!r}",
             )
         ]
+    for suffix in DERIVED_SUFFIXES:
+        if name.endswith(suffix):
+            return [
+                FieldError(
+                    "metadata.name",
+                    f"{name!r} ends in {suffix!r}, which the operator appends to a cluster's name for "
+                    f"the objects it owns (cluster {name[: -len(suffix)]!r} would own an object named "
+                    f"{name!r} too)",
+                )
+            ]
     return []
 
 

@@ -13,6 +13,14 @@ register webhooks that receive any object, Secrets included); here the chart cre
 the operator only patches that one object (`resourceNames`), again every minute (a configuration
 replaced or recreated meanwhile gets its webhooks back). Without the object it tries to
 create it (dev setups with broad rights) and otherwise logs why no webhook is registered.
+
+Only the API server may call it (`GuardedWebhookServer`): its TLS handshake requires a client
+certificate signed by `--webhook-client-ca` and naming one of `--webhook-client-names` (the API
+server presents one when its AdmissionConfiguration gives webhooks a kubeConfig), unless the
+operator runs with `--webhook-insecure-skip-client-auth`. A review is judged only within bounds:
+MAX_REVIEW_BYTES read at most, `--webhook-max-in-flight` at once (more answered 429 at once), and
+MAX_REVIEW_DEPTH levels of nesting (deeper ones, even too deep for Python's JSON decoder, are
+denied naming the problem). A dry run of pods is made only in a namespace the operator watches.
 """
 
 from __future__ import annotations
@@ -21,10 +29,14 @@ import asyncio
 import atexit
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import signal
+import ssl
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -32,9 +44,12 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import aiohttp
+import aiohttp.web
 import kopf
+from kopf._core.engines import admission  # the errors kopf's own server maps to HTTP (pinned kopf)
 
 from tessera_operator import api
+from tessera_operator.bounded_json import describe, excess
 from tessera_operator.builders import ClusterRef, revision_of
 from tessera_operator.certs import SELF_SIGNED_DAYS, self_signed
 from tessera_operator.config import CONFIG, OperatorConfig
@@ -71,21 +86,27 @@ async def validate_inference_cluster(
         return  # another operator's (another release, another pod policy): not ours to judge
     if operation == "UPDATE" and not update_needs_judging(old, body, spec):
         return
+    namespace = (body.get("metadata") or {}).get("namespace") or namespace
     generate_name = (body.get("metadata") or {}).get("generateName")
     name = name or (generate_name + GENERATED_SUFFIX if generate_name else "generated")
     errors = validate_object(name, dict(spec), CONFIG.pod_policy)
     client = (memo or {}).get("client")
-    if not errors and client is not None:  # the API server's own verdict on the pods it would make
+    # The API server's own verdict on the pods it would make; asked only where the operator serves
+    # (its `pods/create` there is what the author borrows), never for a review naming no namespace.
+    if not errors and client is not None and namespace and may_dry_run(namespace, CONFIG.namespaces):
         errors = await pod_errors(client, name, namespace, body, spec)
     if errors:
         raise kopf.AdmissionError("; ".join(str(e) for e in errors), code=422)
 
 
-async def pod_errors(
-    client: KubeClient, name: str, namespace: str | None, body: Any, spec: Any
-) -> list[FieldError]:
+def may_dry_run(namespace: str, namespaces: list[str]) -> bool:
+    """Whether the operator serves `namespace` (all of them when it watches the whole cluster)."""
+    return not namespaces or namespace in namespaces
+
+
+async def pod_errors(client: KubeClient, name: str, namespace: str, body: Any, spec: Any) -> list[FieldError]:
     meta = body.get("metadata") or {}
-    ref = ClusterRef(name, meta.get("namespace") or namespace or "default", meta.get("uid") or "")
+    ref = ClusterRef(name, namespace, meta.get("uid") or "")
     parsed = api.InferenceClusterSpec.model_validate(dict(spec))
     return await refused_pod_fields(client, ref, parsed, revision_of(parsed)) or []
 
@@ -241,19 +262,196 @@ class ManagedWebhookServer:
         return True
 
 
-# An UPDATE review holds two objects of up to 1.5 MiB each (etcd's limit); an InferenceCluster
-# carries its spec about three times (the spec, status.appliedSpec, kubectl's last-applied).
-MAX_REVIEW_BYTES = 4 * 1024 * 1024
+# An UPDATE review holds two objects; etcd keeps one of at most 1.5 MiB by default, and an
+# InferenceCluster carries its spec about three times (the spec, status.appliedSpec, kubectl's
+# last-applied), so a valid spec of ~250 KiB still fits. aiohttp's default of 1 MiB answered 413
+# to the UPDATE of a valid ~180 KiB spec.
+MAX_REVIEW_BYTES = 3 * 1024 * 1024
+# A valid object nests about 45 levels at most (a free-form field's 32 under spec.template, or its
+# managedFields); kopf's own handling and Python's recursive walks fail some hundreds deeper.
+MAX_REVIEW_DEPTH = 100
+DEFAULT_MAX_IN_FLIGHT = 4
+READ_TIMEOUT_S = 10.0  # the API server waits timeoutSeconds (10) for the whole answer anyway
+# The AdmissionReview's own fields come first (Go writes struct fields in order): a review too deep
+# to decode still says its version and uid, so its denial reaches the user.
+_VERSION_RE = re.compile(r'"apiVersion"\s*:\s*"(admission\.k8s\.io/v1(?:beta1)?)"')
+_UID_RE = re.compile(r'"uid"\s*:\s*"([-0-9a-zA-Z]{1,128})"')
+_HEAD = 4096  # where those fields are looked for
+FREE_FORM_FIELDS = (
+    "the free-form fields (spec.template.affinity, tolerations, volumes, volumeMounts, resources, "
+    "env[].valueFrom)"
+)
 
 
-class LargeReviewWebhookServer(kopf.WebhookServer):
-    """kopf's webhook server with room for any review the API server sends: aiohttp's default
-    1 MiB body limit answered 413 to the UPDATE of a valid ~180 KiB spec, which `Fail` then
-    refused (a label change, a finalizer's removal) and `Ignore` let through unjudged."""
+def client_auth_problem(config: OperatorConfig) -> str | None:
+    """Why the webhook must not start with this configuration: it must know who may call it."""
+    if config.webhook_client_ca:
+        if not config.webhook_client_names:
+            return (
+                "--webhook-client-ca needs --webhook-client-names: the CN or DNS SAN of the client "
+                "certificate the API server presents (a cluster CA signs every user's too)"
+            )
+        if not Path(config.webhook_client_ca).is_file():
+            return f"--webhook-client-ca {config.webhook_client_ca}: no such file"
+        return None
+    if config.webhook_insecure_skip_client_auth:
+        return None
+    return (
+        "the webhook (--webhook-port) takes reviews from the API server only: give "
+        "--webhook-client-ca FILE and --webhook-client-names NAME (the client certificate the API "
+        "server presents to webhooks; see docs/SECURITY.md), or --webhook-insecure-skip-client-auth "
+        "where the API server cannot present one"
+    )
+
+
+def peer_names(peercert: Any) -> set[str]:
+    """The CN and DNS SANs of a verified peer certificate (ssl's getpeercert() form)."""
+    found: set[str] = set()
+    for rdn in (peercert or {}).get("subject", ()):
+        found |= {value for key, value in rdn if key == "commonName"}
+    found |= {value for kind, value in (peercert or {}).get("subjectAltName", ()) if kind == "DNS"}
+    return found
+
+
+def denial(version: str, uid: str, message: str, code: int = 422) -> dict[str, Any]:
+    return {
+        "apiVersion": version,
+        "kind": "AdmissionReview",
+        "response": {"uid": uid, "allowed": False, "status": {"code": code, "message": message}},
+    }
+
+
+def _plain(status: int, reason: str, **headers: str) -> aiohttp.web.Response:
+    return aiohttp.web.Response(status=status, text=reason + "\n", headers=headers)
+
+
+def _field(path: list[str | int]) -> str:
+    """A path in the review as kubectl names the field: `spec.template.affinity...`."""
+    where = path[2:] if path[:2] == ["request", "object"] else path
+    return describe(where, limit=4).lstrip(".")
+
+
+class GuardedWebhookServer(kopf.WebhookServer):
+    """kopf's webhook server, for the API server only, judging each review within bounds.
+
+    - Who: with `client_names`, the TLS context (`verify_cafile`, `verify_mode=CERT_REQUIRED`) has
+      refused a client without a certificate of that CA; a certificate of another name (a user's,
+      signed by the same cluster CA) is answered 403.
+    - How many: `max_in_flight` reviews at once; one more is answered 429 before its body is read.
+    - How large: a body over MAX_REVIEW_BYTES is answered 413, read only as far as that.
+    - How deep: a review Python cannot decode (RecursionError), or whose object nests deeper than
+      MAX_REVIEW_DEPTH, is denied with a message saying so (an object being deleted passes).
+    """
+
+    def __init__(
+        self,
+        *,
+        client_names: frozenset[str] = frozenset(),
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.client_names = client_names
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+    async def _serve(  # type: ignore[override]  # kopf calls it as self._serve(fn, request)
+        self, fn: Any, request: aiohttp.web.Request
+    ) -> aiohttp.web.Response:
+        if self.client_names:
+            peercert = request.transport.get_extra_info("peercert") if request.transport else None
+            if not peercert:
+                return _plain(401, "a client certificate is required")
+            if not peer_names(peercert) & self.client_names:
+                return _plain(403, "this client certificate may not send admission reviews")
+        if self.in_flight >= self.max_in_flight:
+            return _plain(429, "too many admission reviews at once", **{"Retry-After": "1"})
+        self.in_flight += 1
+        try:
+            return await self._judge(fn, request)
+        finally:
+            self.in_flight -= 1
+
+    async def _judge(self, fn: Any, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        too_large = f"an AdmissionReview takes at most {MAX_REVIEW_BYTES} bytes"
+        if (request.content_length or 0) > MAX_REVIEW_BYTES:
+            return _plain(413, too_large)
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S):  # a slow sender must not hold a slot for long
+                raw = await request.clone(client_max_size=MAX_REVIEW_BYTES).read()
+        except aiohttp.web.HTTPRequestEntityTooLarge:
+            return _plain(413, too_large)
+        except TimeoutError:
+            return _plain(408, f"the AdmissionReview did not arrive within {READ_TIMEOUT_S:g} s")
+        try:
+            text = raw.decode("utf-8")
+            review = json.loads(text)
+        except RecursionError:
+            return self._too_deep_to_decode(text)
+        except ValueError as exc:  # not UTF-8, not JSON
+            return _plain(400, f"not an AdmissionReview: {exc}")
+        if not isinstance(review, dict) or not isinstance(review.get("request"), dict):
+            return _plain(400, "not an AdmissionReview: no request")
+        refused = self._bounded(review)
+        if refused is not None:
+            return aiohttp.web.json_response(refused)
+        # The rest as kopf's own `_serve` does it, on the review decoded here.
+        sslpeer = request.transport.get_extra_info("peercert") if request.transport else None
+        try:
+            answer = await fn(
+                review, webhook=request.match_info.get("id"), sslpeer=sslpeer, headers=dict(request.headers)
+            )
+        except admission.AmbiguousResourceError as exc:
+            raise aiohttp.web.HTTPConflict(reason=str(exc) or None) from exc
+        except admission.UnknownResourceError as exc:
+            raise aiohttp.web.HTTPNotFound(reason=str(exc) or None) from exc
+        except admission.WebhookError as exc:
+            raise aiohttp.web.HTTPBadRequest(reason=str(exc) or None) from exc
+        return aiohttp.web.json_response(answer)
 
     @staticmethod
-    async def _serve(fn: Any, request: aiohttp.web.Request) -> aiohttp.web.Response:
-        return await kopf.WebhookServer._serve(fn, request.clone(client_max_size=MAX_REVIEW_BYTES))
+    def _too_deep_to_decode(text: str) -> aiohttp.web.Response:
+        head = text[:_HEAD]
+        version, uid = _VERSION_RE.search(head), _UID_RE.search(head)
+        if uid is None:
+            return _plain(400, "an AdmissionReview nested too deeply to decode, without a request uid")
+        message = (
+            f"the object nests too deeply to be judged (deeper than the operator's JSON decoder takes, "
+            f"about {sys.getrecursionlimit()} levels): {FREE_FORM_FIELDS} may nest at most "
+            f"{api.MAX_FREE_FORM_DEPTH} levels"
+        )
+        log.warning("denied review %s: %s", uid.group(1), message)
+        answer = denial(version.group(1) if version else "admission.k8s.io/v1", uid.group(1), message)
+        return aiohttp.web.json_response(answer)
+
+    @staticmethod
+    def _bounded(review: dict[str, Any]) -> dict[str, Any] | None:
+        """A denial for an object nested deeper than MAX_REVIEW_DEPTH, else None (the review is
+        normalised on the way: the request's namespace written into an object that lacks it, an
+        old object too deep to compare dropped, so that the new spec is judged whole)."""
+        request = review["request"]
+        obj = request.get("object") if isinstance(request.get("object"), dict) else None
+        if excess(request.get("oldObject"), MAX_REVIEW_DEPTH - 2, 2**62) is not None:
+            request["oldObject"] = None
+        found = excess(review, MAX_REVIEW_DEPTH, 2**62)
+        if found is not None:
+            deleting = obj is not None and (obj.get("metadata") or {}).get("deletionTimestamp")
+            if request.get("operation") not in OPERATIONS or deleting:
+                return {
+                    "apiVersion": review.get("apiVersion") or "admission.k8s.io/v1",
+                    "kind": "AdmissionReview",
+                    "response": {"uid": request.get("uid", ""), "allowed": True},
+                }  # what the handler would answer: such writes always pass
+            message = (
+                f"{_field(found[1])}: nests deeper than {MAX_REVIEW_DEPTH} levels; "
+                f"{FREE_FORM_FIELDS} may nest at most {api.MAX_FREE_FORM_DEPTH} levels"
+            )
+            return denial(
+                review.get("apiVersion") or "admission.k8s.io/v1", str(request.get("uid", "")), message
+            )
+        if obj is not None and isinstance(obj.get("metadata"), dict) and request.get("namespace"):
+            obj["metadata"].setdefault("namespace", request["namespace"])
+        return None
 
 
 def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: KubeClient) -> Path | None:
@@ -273,13 +471,30 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig, client: K
     if not certfile.exists():
         certfile, pkeyfile = self_signed(directory, host)
         mounted = None
-    server = LargeReviewWebhookServer(
+    if config.webhook_client_ca:
+        verify: dict[str, Any] = {"verify_cafile": config.webhook_client_ca, "verify_mode": ssl.CERT_REQUIRED}
+        log.info(
+            "the webhook takes reviews from clients with a certificate of %s naming %s",
+            config.webhook_client_ca,
+            ", ".join(sorted(config.webhook_client_names)),
+        )
+    else:
+        verify = {}
+        log.warning(
+            "INSECURE: the webhook takes reviews from anyone who reaches port %s "
+            "(--webhook-insecure-skip-client-auth): each may cost dry-run pod creates",
+            config.webhook_port,
+        )
+    server = GuardedWebhookServer(
         addr=config.webhook_addr,
         port=config.webhook_port,
         host=host,
         certfile=certfile,
         pkeyfile=pkeyfile,
         cafile=certfile,
+        client_names=config.webhook_client_names if config.webhook_client_ca else frozenset(),
+        max_in_flight=config.webhook_max_in_flight,
+        **verify,
     )
     settings.admission.managed = None  # kopf's manager would need cluster-wide `create`
     settings.admission.server = (

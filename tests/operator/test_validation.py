@@ -1,5 +1,10 @@
-import pytest
+import json
+from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
+from tessera_operator import api, bounded_json
 from tessera_operator.podpolicy import PodPolicy
 from tessera_operator.validation import validate_object
 
@@ -332,7 +337,7 @@ def test_valid_pod_fields_pass() -> None:
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
             {"key": "team", "operator": "Equal", "value": "ml"},
             {"key": "spot", "value": "true"},
-            {"operator": "Exists"},
+            {"operator": "Exists", "effect": "NoExecute"},  # every NoExecute taint: not the control plane's
         ],
         "affinity": {
             "nodeAffinity": {
@@ -478,3 +483,126 @@ def test_a_known_models_context_and_kv_cache_are_checked_before_any_rank_loads_i
         fields("demo", model={"source": "org/unknown", "maxModelLen": 10**6}, engine={"kvCacheMemory": "1"})
         == []
     )
+
+
+def deep(levels: int) -> dict[str, Any]:
+    """`{"a": {"a": ...}}`, `levels` objects deep, built without recursion."""
+    value: dict[str, Any] = {}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("levels", [33, 300, 1500, 100_000])
+@pytest.mark.parametrize(
+    ("template", "field"),
+    [
+        (lambda v: {"affinity": v}, "spec.template.affinity"),
+        (lambda v: {"resources": v}, "spec.template.resources"),
+        (lambda v: {"tolerations": [v]}, "spec.template.tolerations"),
+        (lambda v: {"volumes": [{"name": "v", "emptyDir": v}]}, "spec.template.volumes"),
+        (lambda v: {"volumeMounts": [v]}, "spec.template.volumeMounts"),
+        (lambda v: {"env": [{"name": "A", "valueFrom": v}]}, "spec.template.env[0].valueFrom"),
+    ],
+)
+def test_a_free_form_field_nested_too_deep_is_refused_naming_it(
+    levels: int, template: Any, field: str
+) -> None:
+    """Past 254 levels hashing a revision raised, past about 1000 Python's JSON decoder does: the
+    model itself refuses any free-form field deeper than 32 (the reconciler's parse included)."""
+    errors = validate_object("demo", {**BASE, "template": template(deep(levels))})
+    assert [str(e) for e in errors] == [f"{field}: nests deeper than {api.MAX_FREE_FORM_DEPTH} levels"]
+    with pytest.raises(ValidationError, match="nests deeper than 32 levels"):
+        api.InferenceClusterSpec.model_validate({**BASE, "template": template(deep(levels))})
+
+
+def test_free_form_fields_are_bounded_in_size_and_pass_at_their_depth() -> None:
+    big = [{"key": f"k{i}", "operator": "Exists", "effect": "NoExecute", "x": "y" * 1024} for i in range(64)]
+    assert [str(e) for e in validate_object("demo", {**BASE, "template": {"tolerations": big}})] == [
+        f"spec.template.tolerations: is larger than {api.MAX_FREE_FORM_BYTES} bytes"
+    ]
+    # 32 levels, counting the field's own object, pass (the API server's pod validation judges them).
+    assert api.TemplateSpec.model_validate({"affinity": deep(api.MAX_FREE_FORM_DEPTH)}).affinity is not None
+
+
+def test_bounded_json_measures_without_recursion() -> None:
+    value: Any = 1
+    for _ in range(200_000):
+        value = [value]
+    assert bounded_json.excess(value, 32, 2**62) == ("depth", [0] * 32)
+    assert bounded_json.excess({"a": [1, "x"]}, 2, 1000) is None
+    assert bounded_json.excess({"a": [1, "x"]}, 1, 1000) == ("depth", ["a"])
+    compact = json.dumps({"a": [1, "x", None, True], "b": {"c": 1.5}}, separators=(",", ":"))
+    value = {"a": [1, "x", None, True], "b": {"c": 1.5}}
+    # At most a byte per container over the compact JSON (a comma counted after each last item).
+    assert bounded_json.excess(value, 8, len(compact) + 3) is None
+    assert bounded_json.excess(value, 8, len(compact) - 1) is not None
+    assert bounded_json.excess({"a": "x" * 100}, 8, 50) == ("size", ["a"])
+
+
+def test_image_pull_secrets_follow_the_secret_policy() -> None:
+    spec = {**BASE, "template": {"imagePullSecrets": ["registry-creds", "other"]}}
+    assert [str(e) for e in validate_object("demo", spec)] == [
+        f"spec.template.imagePullSecrets[{i}]: pulling the image with Secret {name!r} is not allowed by "
+        "the operator's configuration (--allowed-secrets NAME or --allow-secrets)"
+        for i, name in enumerate(["registry-creds", "other"])
+    ]
+    named = PodPolicy(allowed_secrets=frozenset({"registry-creds"}))
+    assert [e.field for e in validate_object("demo", spec, named)] == ["spec.template.imagePullSecrets[1]"]
+    assert validate_object("demo", spec, PodPolicy(allow_secrets=True)) == []
+
+
+CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
+MASTER = "node-role.kubernetes.io/master"
+
+
+def test_rank_pods_cannot_target_control_plane_nodes_unless_allowed() -> None:
+    def term(key: str, operator: str) -> dict[str, Any]:
+        return {"matchExpressions": [{"key": key, "operator": operator}]}
+
+    template = {
+        "nodeSelector": {CONTROL_PLANE: "", "gpu": "a100"},
+        "tolerations": [
+            {"key": CONTROL_PLANE, "operator": "Exists", "effect": "NoSchedule"},
+            {"key": MASTER, "operator": "Exists"},
+            {"operator": "Exists"},  # tolerates every taint, the control plane's too
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": MASTER, "operator": "Exists", "effect": "NoExecute"},  # not the NoSchedule taint
+        ],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [term("gpu", "Exists"), term(MASTER, "Exists")]
+                },
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 1, "preference": term(CONTROL_PLANE, "In") | {}},
+                    {"weight": 1, "preference": term(CONTROL_PLANE, "DoesNotExist")},  # keeps away: fine
+                ],
+            }
+        },
+    }
+    template["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["preference"][
+        "matchExpressions"
+    ][0]["values"] = ["x"]
+    spec = {**BASE, "template": template}
+    errors = validate_object("demo", spec)
+    assert [e.field for e in errors] == [
+        f"spec.template.nodeSelector[{CONTROL_PLANE}]",
+        "spec.template.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+        ".nodeSelectorTerms[1].matchExpressions[0]",
+        "spec.template.affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0]"
+        ".preference.matchExpressions[0]",
+        "spec.template.tolerations[0]",
+        "spec.template.tolerations[1]",
+        "spec.template.tolerations[2]",
+    ]
+    assert all("control-plane nodes (--allow-control-plane)" in e.message for e in errors)
+    assert validate_object("demo", spec, PodPolicy(allow_control_plane=True)) == []
+
+
+@pytest.mark.parametrize("name", ["a-ranks", "demo-ranks"])
+def test_a_name_that_another_clusters_derived_names_take_is_refused(name: str) -> None:
+    """IC `a-ranks`'s client Service `a-ranks` would be IC `a`'s headless Service."""
+    [error] = validate_object(name, dict(BASE))
+    assert error.field == "metadata.name" and "'-ranks'" in error.message
+    assert validate_object("ranks", dict(BASE)) == validate_object("a-rank", dict(BASE)) == []

@@ -283,7 +283,7 @@ async def test_a_review_of_two_large_valid_objects_is_answered(tmp_path: Any) ->
     assert len(body) > 1024**2
     cert, key = self_signed(tmp_path, "localhost")
     port = free_port()
-    server = webhook.LargeReviewWebhookServer(
+    server = webhook.GuardedWebhookServer(
         addr="127.0.0.1", port=port, host="localhost", certfile=cert, pkeyfile=key, cafile=cert
     )
     judged: list[str] = []
@@ -318,3 +318,324 @@ async def test_a_self_signed_serving_certificate_is_renewed_by_a_restart_before_
     stopped = asyncio.Event()
     await asyncio.wait_for(webhook.restart_to_renew(0.01, stopped.set), timeout=5)
     assert stopped.is_set()
+
+
+# --- who may call the webhook, and within which bounds ---------------------------------------
+
+API_SERVER_NAME = "kube-apiserver-webhook-client"
+
+
+class Tls:
+    """A CA (as a cluster's), the webhook's serving pair, and client pairs it signed."""
+
+    def __init__(self, directory: Any) -> None:
+        from e2e.pki import Pki
+
+        self.pki = Pki.create(directory)
+        self.serving = self.pki.issue(
+            "webhook", "/CN=webhook", usage="serverAuth", sans=("DNS:localhost", "IP:127.0.0.1")
+        )
+        self.api_server = self.pki.issue("apiserver-webhook", f"/CN={API_SERVER_NAME}", usage="clientAuth")
+        self.user = self.pki.issue("user-alice", "/CN=alice/O=system:masters", usage="clientAuth")
+
+    def client(self, pair: tuple[Any, Any] | None) -> Any:
+        import ssl
+
+        context = ssl.create_default_context(cafile=str(self.pki.ca_cert))
+        if pair is not None:
+            context.load_cert_chain(str(pair[0]), str(pair[1]))
+        return context
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> Tls:
+    return Tls(tmp_path_factory.mktemp("pki"))
+
+
+def review_of(obj: dict[str, Any], uid: str = "r1", **request: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "operation": "CREATE",
+            "userInfo": {"username": "u"},
+            "resource": {"group": api.GROUP, "version": api.VERSION, "resource": api.PLURAL},
+            "object": obj,
+            **request,
+        },
+    }
+
+
+def allowing(judged: list[Any], gate: asyncio.Event | None = None) -> Any:
+    async def fn(review: Any, **_: Any) -> Any:
+        judged.append(review)
+        if gate is not None:
+            await gate.wait()
+        uid = review["request"]["uid"]
+        return {
+            "apiVersion": review["apiVersion"],
+            "kind": "AdmissionReview",
+            "response": {"uid": uid, "allowed": True},
+        }
+
+    return fn
+
+
+class Serving:
+    """A GuardedWebhookServer on a free port, serving `fn`."""
+
+    def __init__(self, tls: Tls, fn: Any, verify: bool = True, **options: Any) -> None:
+        import ssl
+
+        from tessera.ports import free_port
+
+        self.port = free_port()
+        extra: dict[str, Any] = {}
+        if verify:
+            extra = {
+                "verify_cafile": str(tls.pki.ca_cert),
+                "verify_mode": ssl.CERT_REQUIRED,
+                "client_names": frozenset({API_SERVER_NAME}),
+            }
+        cert, key = tls.serving
+        self.server = webhook.GuardedWebhookServer(
+            addr="127.0.0.1", port=self.port, host="127.0.0.1", certfile=cert, pkeyfile=key, cafile=cert,
+            **extra, **options,
+        )  # fmt: skip
+        self.fn = fn
+        self.url = f"https://127.0.0.1:{self.port}/{webhook.HANDLER_ID}"
+
+    async def __aenter__(self) -> "Serving":
+        self.running = self.server(self.fn)
+        await self.running.__anext__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.running.aclose()
+
+
+async def post(url: str, context: Any, body: Any) -> tuple[int, Any]:
+    import json
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url, data=data, ssl=context, headers={"Content-Type": "application/json"}) as r,
+    ):
+        text = await r.text()
+        return r.status, (json.loads(text) if r.content_type == "application/json" else text)
+
+
+async def test_only_the_api_servers_client_certificate_gets_a_review_judged(tls: Tls) -> None:
+    """A pod that reaches port 9443 cannot make the operator dry-run pods for it (or learn the
+    cluster's admission policy from the answers): no client certificate, no TLS session; a user's
+    certificate of the same cluster CA, 403; the API server's, judged."""
+    judged: list[Any] = []
+    review = review_of(stored(VALID, namespace="ns"))
+    async with Serving(tls, allowing(judged)) as serving:
+        with pytest.raises(aiohttp.ClientError):
+            await post(serving.url, tls.client(None), review)
+        status, text = await post(serving.url, tls.client(tls.user), review)
+        assert status == 403 and "may not send admission reviews" in text
+        assert judged == []
+        status, answer = await post(serving.url, tls.client(tls.api_server), review)
+        assert status == 200 and answer["response"]["allowed"] is True
+    assert [r["request"]["uid"] for r in judged] == ["r1"]
+
+
+def test_the_webhook_does_not_start_without_knowing_who_may_call_it(tmp_path: Any) -> None:
+    from tessera_operator.config import OperatorConfig
+
+    config = OperatorConfig(webhook_port=9443)
+    config.webhook_client_ca, config.webhook_insecure_skip_client_auth = None, False
+    assert "--webhook-client-ca" in (webhook.client_auth_problem(config) or "")
+    config.webhook_client_ca = str(tmp_path / "ca.crt")
+    config.webhook_client_names = frozenset()
+    assert "--webhook-client-names" in (webhook.client_auth_problem(config) or "")
+    config.webhook_client_names = frozenset({API_SERVER_NAME})
+    assert "no such file" in (webhook.client_auth_problem(config) or "")
+    (tmp_path / "ca.crt").write_text("pem")
+    assert webhook.client_auth_problem(config) is None
+    insecure = OperatorConfig(
+        webhook_port=9443, webhook_client_ca=None, webhook_insecure_skip_client_auth=True
+    )
+    assert webhook.client_auth_problem(insecure) is None
+
+
+def test_the_client_auth_flags(tmp_path: Any) -> None:
+    from tessera_operator.__main__ import parse_args
+
+    args = parse_args(
+        [
+            "-n",
+            "a",
+            "--webhook-client-ca",
+            "/ca.crt",
+            "--webhook-client-names",
+            "x,y",
+            "--webhook-max-in-flight",
+            "2",
+        ]
+    )
+    assert (args.webhook_client_ca, args.webhook_client_names, args.webhook_max_in_flight) == (
+        "/ca.crt",
+        frozenset({"x", "y"}),
+        2,
+    )
+    assert parse_args(["-n", "a", "--webhook-insecure-skip-client-auth"]).webhook_insecure_skip_client_auth
+    assert parse_args(["-n", "a", "--allow-control-plane"]).allow_control_plane
+
+
+async def test_reviews_past_the_concurrency_bound_are_answered_429_at_once(tls: Tls) -> None:
+    gate = asyncio.Event()
+    judged: list[Any] = []
+    async with Serving(tls, allowing(judged, gate), max_in_flight=2) as serving:
+        context = tls.client(tls.api_server)
+        held = [
+            asyncio.create_task(post(serving.url, context, review_of(stored(VALID), uid=f"r{i}")))
+            for i in range(2)
+        ]
+        while len(judged) < 2:
+            await asyncio.sleep(0.01)
+        status, text = await asyncio.wait_for(post(serving.url, context, review_of(stored(VALID))), timeout=5)
+        assert status == 429 and "too many" in text
+        gate.set()
+        assert [status for status, _ in await asyncio.gather(*held)] == [200, 200]
+        # The slots are free again.
+        assert (await post(serving.url, context, review_of(stored(VALID))))[0] == 200
+
+
+async def raw_request(serving: Serving, tls: Tls, head: bytes, body_parts: list[bytes]) -> bytes:
+    """Sends `head` and `body_parts` and reads the answer without sending anything more."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", serving.port, ssl=tls.client(tls.api_server))
+    try:
+        writer.write(head)
+        for part in body_parts:
+            writer.write(part)
+            await writer.drain()
+        return await asyncio.wait_for(reader.read(4096), timeout=10)
+    finally:
+        writer.close()
+
+
+async def test_an_oversized_review_is_refused_without_reading_it_whole(tls: Tls) -> None:
+    judged: list[Any] = []
+    path = f"/{webhook.HANDLER_ID}".encode()
+    async with Serving(tls, allowing(judged)) as serving:
+        # 10 MiB announced, 1 KiB sent: the answer comes without the rest ever arriving.
+        head = b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        announced = head + f"Content-Length: {10 * 1024**2}\r\n\r\n".encode()
+        answer = await raw_request(serving, tls, announced, [b" " * 1024])
+        assert answer.startswith(b"HTTP/1.1 413"), answer
+        # Chunked, with no length said: refused once past the bound, the stream never ended.
+        chunk = b" " * 65536
+        chunked = head + b"Transfer-Encoding: chunked\r\n\r\n"
+        parts = [b"%x\r\n" % len(chunk) + chunk + b"\r\n"] * (webhook.MAX_REVIEW_BYTES // len(chunk) + 2)
+        answer = await raw_request(serving, tls, chunked, parts)
+        assert answer.startswith(b"HTTP/1.1 413"), answer
+    assert judged == []
+
+
+def deep_json(levels: int) -> str:
+    return '{"a":' * (levels - 1) + "{}" + "}" * (levels - 1)
+
+
+def deep_review_text(levels: int, uid: str = "deep-1") -> bytes:
+    import json
+
+    head = json.dumps(review_of(stored(VALID, namespace="ns"), uid=uid))
+    marker = '"spec": {"model": {"source": "smollm2-135m-instruct"}}'
+    assert marker in head
+    deep_spec = (
+        '"spec": {"model": {"source": "smollm2-135m-instruct"}, "template": {"affinity": '
+        + deep_json(levels)
+        + "}}"
+    )
+    return head.replace(marker, deep_spec).encode()
+
+
+@pytest.mark.parametrize("levels", [300, 1500, 100_000])
+async def test_a_spec_nested_too_deep_is_denied_naming_the_problem(tls: Tls, levels: int) -> None:
+    """Past about 1000 levels `json.loads` raises RecursionError: the review is still answered,
+    with a denial the user reads, never a crash or a 500."""
+    judged: list[Any] = []
+    async with Serving(tls, allowing(judged)) as serving:
+        status, answer = await post(serving.url, tls.client(tls.api_server), deep_review_text(levels))
+    assert status == 200 and judged == []
+    response = answer["response"]
+    assert (response["uid"], response["allowed"], response["status"]["code"]) == ("deep-1", False, 422)
+    message = response["status"]["message"]
+    if levels < 900:
+        assert message.startswith("spec.template.affinity.a...: "), message
+        assert f"nests deeper than {webhook.MAX_REVIEW_DEPTH} levels" in message
+    else:
+        assert "nests too deeply to be judged" in message
+    assert f"may nest at most {api.MAX_FREE_FORM_DEPTH}" in message
+
+
+async def test_a_spec_nested_too_deep_is_denied_by_the_handler_naming_the_field() -> None:
+    """What the server passes on (below MAX_REVIEW_DEPTH) meets the model's own bound."""
+    import json
+
+    spec = json.loads(
+        '{"model": {"source": "smollm2-135m-instruct"}, "template": {"affinity": ' + deep_json(60) + "}}"
+    )
+    body = kopf.Body(stored(spec))
+    with pytest.raises(kopf.AdmissionError, match=r"^spec\.template\.affinity: nests deeper than 32 levels$"):
+        await webhook.validate_inference_cluster(body.spec, "demo", body, "CREATE")
+
+
+async def test_an_object_being_deleted_passes_however_deep(tls: Tls) -> None:
+    import json
+
+    review = json.loads(deep_review_text(300))
+    review["request"]["operation"] = "UPDATE"
+    review["request"]["object"]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    async with Serving(tls, allowing([])) as serving:
+        status, answer = await post(serving.url, tls.client(tls.api_server), review)
+    assert status == 200 and answer["response"] == {"uid": "deep-1", "allowed": True}
+
+
+class DryRuns:
+    """A client recording the dry-run creates the handler makes."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def create(self, path: str, body: Any, dry_run: bool = False) -> Any:
+        assert dry_run
+        self.paths.append(path)
+        return body
+
+
+async def test_no_dry_run_outside_the_watched_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The operator's `pods/create` holds where it serves only: a review naming another namespace,
+    or none, never makes it create pods (not even dry runs) elsewhere."""
+    monkeypatch.setattr(webhook.CONFIG, "namespaces", ["team-b"])
+    client = DryRuns()
+    for metadata, namespace in (({"namespace": "team-a"}, None), ({}, None), ({}, "team-a")):
+        body = kopf.Body(stored(VALID, **metadata))
+        await webhook.validate_inference_cluster(
+            body.spec, "demo", body, "CREATE", memo={"client": client}, namespace=namespace
+        )
+    assert client.paths == []
+    body = kopf.Body(stored(VALID))
+    await webhook.validate_inference_cluster(
+        body.spec, "demo", body, "CREATE", memo={"client": client}, namespace="team-b"
+    )
+    assert client.paths and all(p == "/api/v1/namespaces/team-b/pods" for p in client.paths)
+    monkeypatch.setattr(webhook.CONFIG, "namespaces", [])  # cluster-wide: every namespace is served
+    client.paths.clear()
+    body = kopf.Body(stored(VALID, namespace="team-a"))
+    await webhook.validate_inference_cluster(body.spec, "demo", body, "CREATE", memo={"client": client})
+    assert client.paths and all("/namespaces/team-a/" in p for p in client.paths)
+
+
+async def test_the_server_takes_the_namespace_from_the_request(tls: Tls) -> None:
+    """An object created without metadata.namespace: the review's `request.namespace` says it."""
+    judged: list[Any] = []
+    review = review_of(stored(VALID), namespace="team-b")
+    async with Serving(tls, allowing(judged)) as serving:
+        assert (await post(serving.url, tls.client(tls.api_server), review))[0] == 200
+    assert judged[0]["request"]["object"]["metadata"]["namespace"] == "team-b"
