@@ -2,14 +2,16 @@
 
 Each pod's command, arguments and environment come from the operator's own pod builder; only
 what a pod network would provide differs: the leader's address is 127.0.0.1 and every port is
-a free loopback port (several groups share this machine), and the pod's writable paths (cache,
-/tmp) stay this machine's.
+a free loopback port (several groups share this machine), the pod's writable paths (cache,
+/tmp) stay this machine's, and the group's secret, which the operator mounts from a Secret, is a
+file of random bytes in the test's folder.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.ports import free_port
+from tessera.topology import GROUP_SECRET_FILE_ENV
 from tessera_operator import builders
 from tessera_operator.api import InferenceClusterSpec
 
@@ -45,6 +48,7 @@ def rank_pod_processes(
         "GLOO_SOCKET_IFNAME": "lo",
         **{name: str(port) for name, port in ports.items()},
     }
+    loopback[GROUP_SECRET_FILE_ENV] = group_secret_file(log_dir)
     procs = []
     for pod in pods:
         container = pod["spec"]["containers"][0]
@@ -65,6 +69,14 @@ def rank_pod_processes(
         log = (log_dir / f"{pod['metadata']['name']}.log").open("wb")
         procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs, ports["TESSERA_API_PORT"]
+
+
+def group_secret_file(folder: Path) -> str:
+    """A group secret as the operator's Secret volume holds it (32 random bytes, read-only)."""
+    path = folder / "group-secret"
+    path.write_bytes(secrets.token_bytes(32))
+    path.chmod(0o400)
+    return str(path)
 
 
 def wait_for_line(log: Path, text: bytes, timeout_s: float) -> None:

@@ -9,17 +9,11 @@ import time
 import pytest
 import zmq
 
+from tessera.core.sched_output import ModelRunnerOutput
 from tessera.distributed import rpc
 from tessera.engine import serialization
 from tessera.ports import free_port
-
-
-def rank_peer(context: zmq.Context, addr: str, rank: int) -> zmq.Socket:
-    """A rank's end of the channel, as WorkerLink connects it."""
-    peer = context.socket(zmq.DEALER)
-    peer.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
-    peer.connect(addr)
-    return peer
+from tests.distributed.channel_peers import KEYS, rank_peer
 
 
 def test_a_lag_meter_reports_only_time_beyond_its_interval(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,19 +32,24 @@ def test_malformed_frames_from_a_peer_are_dropped_and_the_channel_goes_on(tmp_pa
     got = threading.Event()
 
     def on_message(rank: int, kind: bytes, payload: object) -> None:
-        received.append((rank, kind, payload))
-        got.set()
+        if kind != rpc.HELLO:
+            received.append((rank, kind, payload))
+            got.set()
 
     addr = f"ipc://{tmp_path}/rpc"
-    channel = rpc.LeaderChannel([addr], 2, on_message, failures.append).start()
+    channel = rpc.LeaderChannel([addr], 2, on_message, failures.append, KEYS).start()
     context = zmq.Context()
     peer = rank_peer(context, addr, 1)
+    ready = {"rank": 1, "max_model_len": 64}
     try:
+        peer.send_multipart([b"HELLO", serialization.encode({"rank": 1, "instance": "a"})])
         peer.send_multipart([b"READY", b"\xc1not msgpack"])  # undecodable
         peer.send_multipart([b"READY"])  # wrong frame count
-        peer.send_multipart([b"READY", serialization.encode({"rank": 1})])
+        peer.send_multipart([b"READY", serialization.encode({"rank": 1})])  # not what READY holds
+        peer.send_multipart([b"READY", serialization.encode(ready)])
         assert got.wait(10)
-        assert received == [(1, b"READY", {"rank": 1})] and failures == []
+        assert received == [(1, b"READY", ready)] and failures == []
+        assert channel.rejected == {"undecodable": 1, "frame count": 1, "malformed": 1}
     finally:
         peer.close(0)
         context.term()
@@ -72,17 +71,18 @@ def test_messages_wait_for_start_and_a_handler_bug_fails_the_engine_not_the_chan
         got.set()
 
     addr = f"ipc://{tmp_path}/rpc"
-    channel = rpc.LeaderChannel([addr], 2, on_message, failures.append)
+    channel = rpc.LeaderChannel([addr], 2, on_message, failures.append, KEYS)
     context = zmq.Context()
     peer = rank_peer(context, addr, 1)
+    ready = {"rank": 1, "max_model_len": 64}
     try:
-        peer.send_multipart([b"HELLO", serialization.encode({"pid": 1})])
-        peer.send_multipart([b"READY", serialization.encode({"rank": 1})])
+        peer.send_multipart([b"HELLO", serialization.encode({"instance": "a"})])
+        peer.send_multipart([b"READY", serialization.encode(ready)])
         time.sleep(0.3)
         assert received == [] and failures == []  # not started: nothing handled yet
         channel.start()
         assert got.wait(10)
-        assert received == [(1, b"READY", {"rank": 1})]
+        assert received == [(1, b"READY", ready)]
         assert len(failures) == 1 and "HELLO" in failures[0]
     finally:
         peer.close(0)
@@ -95,11 +95,11 @@ def test_a_step_that_cannot_reach_a_started_rank_fails_the_engine_at_once(tmp_pa
     (minutes): the leader fails the engine when the send fails, before any heartbeat deadline."""
     failures: list[str] = []
     addr = f"ipc://{tmp_path}/rpc"
-    channel = rpc.LeaderChannel([addr], 2, lambda *_: None, failures.append).start()
+    channel = rpc.LeaderChannel([addr], 2, lambda *_: None, failures.append, KEYS).start()
     context = zmq.Context()
     peer = rank_peer(context, addr, 1)
     try:
-        peer.send_multipart([b"HELLO", serialization.encode({"pid": 1})])
+        peer.send_multipart([b"HELLO", serialization.encode({"instance": "a"})])
         deadline = time.monotonic() + 10
         while 1 not in channel.last_seen:
             assert time.monotonic() < deadline
@@ -128,8 +128,10 @@ def test_a_rank_reaches_its_leader_over_ipv6_and_ipv4() -> None:
             arrived.set()
 
     port = free_port()
-    channel = rpc.LeaderChannel([f"tcp://*:{port}"], 3, on_message, lambda reason: None).start()
-    links = [rpc.WorkerLink(f"tcp://{host}:{port}", rank) for rank, host in ((1, "[::1]"), (2, "127.0.0.1"))]
+    channel = rpc.LeaderChannel([f"tcp://*:{port}"], 3, on_message, lambda reason: None, KEYS).start()
+    links = [
+        rpc.WorkerLink(f"tcp://{host}:{port}", rank, KEYS) for rank, host in ((1, "[::1]"), (2, "127.0.0.1"))
+    ]
     try:
         assert arrived.wait(10), f"only ranks {got} said HELLO"
         assert sorted(set(got)) == [1, 2]
@@ -139,12 +141,10 @@ def test_a_rank_reaches_its_leader_over_ipv6_and_ipv4() -> None:
         channel.close()
 
 
-def test_a_message_up_to_the_channels_limit_arrives_and_a_larger_one_fails_at_its_sender(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_message_up_to_the_channels_limit_arrives_and_a_larger_one_fails_at_its_sender(tmp_path) -> None:
     """One limit for both ends: a message under it is delivered whole (past the serializer's own
     default), one over it raises where it is sent instead of vanishing on the way."""
-    monkeypatch.setattr(rpc, "MAX_MESSAGE_BYTES", serialization.DEFAULT_MAX_BYTES + 4096)
+    limit = serialization.DEFAULT_MAX_BYTES + 4096
     received: list[tuple[int, bytes, object]] = []
     got = threading.Event()
 
@@ -154,15 +154,21 @@ def test_a_message_up_to_the_channels_limit_arrives_and_a_larger_one_fails_at_it
             got.set()
 
     addr = f"ipc://{tmp_path}/rpc"
-    channel = rpc.LeaderChannel([addr], 2, on_message, lambda reason: None).start()
-    link = rpc.WorkerLink(addr, 1)
+    channel = rpc.LeaderChannel([addr], 2, on_message, lambda reason: None, KEYS, max_inbound_bytes=limit)
+    channel.start()
+    link = rpc.WorkerLink(addr, 1, KEYS)
+    link.max_send_bytes = limit
     try:
-        big = b"x" * (serialization.DEFAULT_MAX_BYTES + 1024)
+        wait_for_hello = time.monotonic() + 10
+        while 1 not in channel.instances:  # OUTPUT is taken only from a rank that said HELLO
+            assert time.monotonic() < wait_for_hello
+            time.sleep(0.05)
+        big = ModelRunnerOutput(["x" * (serialization.DEFAULT_MAX_BYTES + 1024)], [1])
         link.send(rpc.OUTPUT, {"step": 0, "output": big})
         assert got.wait(30)
         assert received[0][:2] == (1, rpc.OUTPUT) and received[0][2] == {"step": 0, "output": big}
         with pytest.raises(ValueError, match=r"OUTPUT message of \d+ bytes passes the ranks' channel limit"):
-            link.send(rpc.OUTPUT, {"output": big + b"x" * 4096})
+            link.send(rpc.OUTPUT, {"output": b"x" * limit})
     finally:
         link.close()
         channel.close()
@@ -173,7 +179,7 @@ def test_a_replacement_rank_whose_first_word_is_a_heartbeat_fails_the_group(tmp_
     and answer PONG as if it were the dead one: the instance it names tells them apart."""
     failures: list[str] = []
     addr = f"ipc://{tmp_path}/rpc"
-    channel = rpc.LeaderChannel([addr], 2, lambda *_: None, failures.append).start()
+    channel = rpc.LeaderChannel([addr], 2, lambda *_: None, failures.append, KEYS).start()
     context = zmq.Context()
     first = rank_peer(context, addr, 1)
     replacement = None

@@ -9,6 +9,10 @@ then the KV cache is sized to the smallest rank's capacity and initialised on al
 Faults: local ranks are watched by their process, every rank by heartbeats. A rank that dies,
 stops (SIGSTOP) or reports a failure fails every pending step at once with ExecutorFailedError;
 the remaining ranks are told to exit (and local ones are killed), so nothing outlives the engine.
+
+Authentication: the channel admits only holders of the group's secret (``group_secret``). Local
+ranks get a random one the leader writes into its private socket folder; a leader of pods reads
+the one the operator mounts, and refuses to start without it.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ import zmq
 from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.distributed import rpc
+from tessera.distributed.group_secret import GroupKeys, read_group_secret, secret_file, write_group_secret
 from tessera.executor.base import Executor, ExecutorFailedError
 from tessera.ports import free_port
-from tessera.topology import Topology
+from tessera.topology import GROUP_SECRET_FILE_ENV, Topology
 from tessera.worker.worker import STEP_TIMEOUT_S
 from tessera.worker.worker_proc import (
     LOCAL_RANK_ENV,
@@ -77,7 +82,10 @@ class DistributedExecutor(Executor):
         local_ranks: list[int],
         extra_bind_addrs: list[str],
         startup_timeout_s: float,
+        group_secret_file: str | None = None,
     ) -> None:
+        """``group_secret_file``: the group's secret, for ranks elsewhere (pods); None makes a
+        random one in this leader's socket folder, for ranks it starts itself."""
         # Local ranks reach the leader over IPC in a folder of its own, removed at shutdown.
         self.ipc_dir = tempfile.mkdtemp(prefix="tessera-ranks-", dir=ranks_ipc_parent())
         # Removed at shutdown (or a failed start), at the latest when this object goes or the
@@ -101,7 +109,17 @@ class DistributedExecutor(Executor):
         self._ready: dict[int, dict[str, Any]] = {}
         self._welcome = {"config": config.model_dump_json()}
         try:
-            self.channel = rpc.LeaderChannel(bind_addrs, self.world_size, self._on_message, self._fail)
+            self.secret_file = group_secret_file or write_group_secret(self.ipc_dir)
+            keys = GroupKeys(read_group_secret({GROUP_SECRET_FILE_ENV: self.secret_file}))
+            self.channel = rpc.LeaderChannel(
+                bind_addrs,
+                self.world_size,
+                self._on_message,
+                self._fail,
+                keys,
+                output_rank=self.output_rank,
+                max_inbound_bytes=rpc.reply_limit(config.max_num_seqs, config.max_num_batched_tokens),
+            )
         except BaseException:  # e.g. the RPC port taken: nothing else holds the folder yet
             self._remove_ipc_dir()
             raise
@@ -128,6 +146,7 @@ class DistributedExecutor(Executor):
         env = dict(os.environ)
         env.update(self.topology.for_rank(rank).to_env())
         env[RPC_ADDR_ENV] = rpc_addr
+        env[GROUP_SECRET_FILE_ENV] = self.secret_file
         env[LOCAL_RANK_ENV] = str(local_index)
         env[LOCAL_WORLD_SIZE_ENV] = str(local_world)
         env[PARENT_PID_ENV] = str(os.getpid())
@@ -304,7 +323,15 @@ class RemoteRanksExecutor(DistributedExecutor):
             )
         if topology.layout != config.parallel:
             raise ValueError(f"engine layout {config.parallel} differs from the topology's {topology.layout}")
-        super().__init__(config, topology, [0], [f"tcp://*:{topology.rpc_port}"], RANK_STARTUP_TIMEOUT_S)
+        read_group_secret(os.environ)  # none readable: refuse to start, naming the file and variable
+        super().__init__(
+            config,
+            topology,
+            [0],
+            [f"tcp://*:{topology.rpc_port}"],
+            RANK_STARTUP_TIMEOUT_S,
+            group_secret_file=secret_file(os.environ),
+        )
 
 
 def _die_with_parent() -> None:

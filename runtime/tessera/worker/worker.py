@@ -19,6 +19,7 @@ from tessera.config import EngineConfig
 from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.distributed import pipeline
 from tessera.distributed.communication import COMM_STATS
+from tessera.distributed.group_secret import GroupKeys
 from tessera.distributed.parallel_state import destroy_distributed, init_distributed
 from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.models.registry import resolve_model
@@ -83,6 +84,7 @@ class Worker:
         topology: Topology | None = None,
         local_rank: int = 0,
         local_world_size: int = 1,
+        group_keys: GroupKeys | None = None,
     ) -> None:
         self.topology = topology or Topology(layout=config.parallel)
         self.device = select_device(config, local_rank)
@@ -98,7 +100,10 @@ class Worker:
         torch.manual_seed(config.seed)
         self.distributed = self.topology.world_size > 1
         if self.distributed:
-            init_distributed(self.topology, self.device, COLLECTIVE_TIMEOUT_S)
+            # Only holders of the group's secret meet in the rendezvous (default: the file the
+            # environment names, as for the rank channel).
+            keys = group_keys or GroupKeys.from_env(os.environ)
+            init_distributed(self.topology, self.device, COLLECTIVE_TIMEOUT_S, keys)
         if model_dir is None:
             # A rank process resolves its own copy (an alias or .gguf converts into this pod's
             # cache), after the rendezvous: a slow conversion is then bounded by the leader's

@@ -61,20 +61,26 @@ def run_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
         logger.error("invalid topology environment: %s", exc)
         return 2
     from tessera.distributed import rpc
+    from tessera.distributed.group_secret import GroupKeys, GroupSecretError
     from tessera.worker import cpu_binding
 
+    try:
+        keys = GroupKeys.from_env(environ)
+    except GroupSecretError as exc:  # no secret, no way in: say which file, and how to name another
+        logger.error("rank %d cannot join its leader: %s", topology.rank, exc)
+        return 2
     cpu_binding.OWN_PROCESS = True  # a rank process: its threads are nobody else's
     parent_pid = int(environ[PARENT_PID_ENV]) if environ.get(PARENT_PID_ENV, "").isdigit() else None
     if parent_pid is not None:
         # Its leader owns its life: a terminal's Ctrl-C (sent to the whole process group) is for
         # the caller, whose engine must still work afterwards, not for the ranks under it.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    link = rpc.WorkerLink(leader_rpc_addr(topology, environ), topology.rank, parent_pid=parent_pid)
+    link = rpc.WorkerLink(leader_rpc_addr(topology, environ), topology.rank, keys, parent_pid=parent_pid)
     logger.info(
         "rank %d of %d: joining %s", topology.rank, topology.world_size, leader_rpc_addr(topology, environ)
     )
     try:
-        _serve(link, topology, environ)
+        _serve(link, topology, environ, keys)
     except BaseException as exc:
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -87,7 +93,7 @@ def run_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
     return 0
 
 
-def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[str]) -> None:
+def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[str], keys: Any) -> None:
     from tessera.config import EngineConfig
     from tessera.distributed import rpc
     from tessera.worker.worker import Worker
@@ -108,12 +114,14 @@ def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[
         raise TopologyError(
             f"the leader runs layout {config.parallel}, this rank's environment says {topology.layout}"
         )
+    link.limit_replies(config.max_num_seqs, config.max_num_batched_tokens)
     worker = Worker(
         config,
         None,
         topology,
         local_rank=int(environ.get(LOCAL_RANK_ENV, "0")),
         local_world_size=int(environ.get(LOCAL_WORLD_SIZE_ENV, "1")),
+        group_keys=keys,
     )
     link.send(rpc.READY, {"rank": topology.rank, "max_model_len": worker.max_model_len})
     link.arm()
