@@ -8,13 +8,19 @@ which frees its KV blocks. A request that fails on its own (in output processing
 engine core reports) raises RequestFailedError from its generator and is aborted; the others
 go on. If the engine core dies, every open generator raises EngineDeadError and the
 registered callbacks run (the server then exits). Tokenizing and chat templating run on a
-thread of their own, so a long prompt never stalls the event loop.
+thread of their own, so a long prompt never stalls the event loop; a long text goes to a second
+thread with its own tokenizer, a few at a time, so it never makes short requests wait.
+
+Memory per stream is bounded: a caller that leaves more than `max_stream_backlog` outputs
+unread (a client that does not read its stream) has its request aborted, which frees its KV
+blocks, and gets StreamBacklogError.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import logging
 import time
@@ -37,6 +43,20 @@ from tessera.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# Texts longer than this (characters) are tokenized on the long-text thread, at most
+# MAX_LONG_TEXT_JOBS at a time (running or queued); beyond that a request is answered 503.
+LONG_TEXT_CHARS = 32_768
+MAX_LONG_TEXT_JOBS = 4
+DEFAULT_MAX_STREAM_BACKLOG = 1024
+
+
+class TokenizerBusyError(Exception):
+    """Too many long texts are being tokenized: retry later (503)."""
+
+
+class StreamBacklogError(Exception):
+    """The caller left too many outputs unread: its request was aborted."""
 
 
 @dataclass
@@ -61,8 +81,10 @@ class AsyncLLM:
         config: EngineConfig,
         served_model_name: str | None = None,
         engine_core_cls: type | None = None,
+        max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG,
     ) -> None:
         self.config = config
+        self.max_stream_backlog = max_stream_backlog
         self.model_dir = resolve_model(config.model)  # converts once here, so the core finds it cached
         self.served_model_name = served_model_name or config.model
         # Load the tokenizer (slow imports) while the engine core process loads the model.
@@ -83,6 +105,11 @@ class AsyncLLM:
         self.token_bytes = TokenBytes(self.tokenizer)
         # One thread: the tokenizer is not safe to call from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenizer")
+        # Long texts: a thread and a tokenizer of their own (made on first use), so they queue
+        # behind each other, never in front of short requests.
+        self._long_text_pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-tokenizer-long")
+        self._long_text_processor: InputProcessor | None = None
+        self._long_text_jobs = 0
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(self.served_model_name)
         self.last_stats = SchedulerStats()
@@ -122,6 +149,7 @@ class AsyncLLM:
         if self._handler is not None:
             self._handler.cancel()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._long_text_pool.shutdown(wait=False, cancel_futures=True)
         self.core.shutdown()
 
     # --- load -----------------------------------------------------------------------------
@@ -134,17 +162,54 @@ class AsyncLLM:
         """Engine requests submitted but not yet running (fresher than the core's last stats)."""
         return max(0, len(self._timings) - self.last_stats.num_running_reqs)
 
+    @property
+    def kv_capacity_sequences(self) -> int | None:
+        """How many sequences of full context length the KV cache holds (None: not reported)."""
+        info = getattr(self.core, "ready_info", None) or {}
+        blocks, block_size = info.get("num_kv_blocks"), info.get("block_size")
+        if not isinstance(blocks, int) or not isinstance(block_size, int):
+            return None
+        return max(1, blocks * block_size // max(1, self.max_model_len))
+
     # --- requests -------------------------------------------------------------------------
     async def tokenize_async(self, prompt: str | list[int], **options: Any) -> list[int]:
         """InputProcessor.tokenize (same options) off the event loop; InvalidParameterError for
-        an empty, invalid or over-long prompt."""
+        an empty, invalid or over-long prompt (its length checked here, before any queueing)."""
+        if isinstance(prompt, str):
+            truncated = options.get("keep_last") is not None
+            self.processor.check_text_length(prompt, options.get("param", "prompt"), truncated)
+            if len(prompt) > LONG_TEXT_CHARS:
+                return await self._long_text(lambda p: p.tokenize(prompt, **options))
         return await self._off_loop(functools.partial(self.processor.tokenize, prompt, **options))
 
     async def encode_async(
         self, text: str, add_special_tokens: bool = True, param: str = "prompt"
     ) -> list[int]:
-        """Token ids of any text, unchecked against the context (for /tokenize)."""
+        """Token ids of a text, unchecked against the context (for /tokenize), within
+        max_tokenize_chars."""
+        self.processor.check_text_length(text, param)
+        if len(text) > LONG_TEXT_CHARS:
+            return await self._long_text(lambda p: p.encode(text, add_special_tokens, param))
         return await self._off_loop(self.processor.encode, text, add_special_tokens, param)
+
+    async def _long_text(self, work: Callable[[InputProcessor], T]) -> T:
+        if self._long_text_jobs >= MAX_LONG_TEXT_JOBS:
+            raise TokenizerBusyError(
+                f"{self._long_text_jobs} long texts are being tokenized; retry later or send a shorter one"
+            )
+        self._long_text_jobs += 1
+        try:
+
+            def run() -> T:
+                if self._long_text_processor is None:  # a tokenizer of its own: never two threads on one
+                    processor = copy.copy(self.processor)
+                    processor.tokenizer = copy.deepcopy(self.processor.tokenizer)
+                    self._long_text_processor = processor
+                return work(self._long_text_processor)
+
+            return await asyncio.get_running_loop().run_in_executor(self._long_text_pool, run)
+        finally:
+            self._long_text_jobs -= 1
 
     async def render_chat_async(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -225,6 +290,9 @@ class AsyncLLM:
             stream = self._streams.get(request_output.request_id)
             if stream is None:
                 continue
+            if stream.queue.qsize() >= self.max_stream_backlog:
+                self._abort_slow_reader(request_output.request_id, stream)
+                continue
             stream.queue.put_nowait(request_output)
             if request_output.finished:
                 del self._streams[request_output.request_id]
@@ -239,6 +307,21 @@ class AsyncLLM:
             for child_id in processed.reqs_to_abort:
                 self._finish_child(child_id, "stop", now)
             self.core.abort_requests(processed.reqs_to_abort)
+
+    def _abort_slow_reader(self, request_id: str, stream: _Stream) -> None:
+        """Its caller has left max_stream_backlog outputs unread: drop them, stop the request
+        (its KV blocks are freed), and end its stream with an error."""
+        unread = stream.queue.qsize()
+        while not stream.queue.empty():
+            stream.queue.get_nowait()
+        stream.queue.put_nowait(
+            StreamBacklogError(
+                f"the client left {unread} outputs of its stream unread (at most {self.max_stream_backlog}, "
+                "--max-stream-backlog); the request was aborted"
+            )
+        )
+        logger.warning("request %s: its reader is %d outputs behind; aborting it", request_id, unread)
+        self.abort(request_id)
 
     def _record_metrics(self, outputs: EngineCoreOutputs, now: float) -> None:
         if outputs.scheduler_stats is not None:

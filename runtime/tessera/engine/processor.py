@@ -69,6 +69,10 @@ class InputProcessor:
         # byte-level BPE), so longer text cannot fit: refused without spending time tokenizing it.
         longest_token = max((len(token) for token in tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.max_prompt_len * max(1, longest_token)
+        # Any text tokenized at all (/tokenize, a prompt cut by truncate_prompt_tokens): a few
+        # contexts' worth, so no request can hold the tokenizer for seconds (serve's
+        # --max-tokenize-chars sets it).
+        self.max_tokenize_chars = 4 * self.max_prompt_chars
 
     @classmethod
     def from_model_dir(
@@ -116,13 +120,7 @@ class InputProcessor:
         if keep_last == -1:
             keep_last = self.max_prompt_len
         if isinstance(prompt, str):
-            if keep_last is None and len(prompt) > self.max_prompt_chars:
-                raise InvalidParameterError(
-                    param,
-                    f"{param} has {len(prompt)} characters, more than fit in the {self.max_prompt_len} "
-                    f"tokens a prompt may have (this model's maximum context length is {self.max_model_len})",
-                    code=CONTEXT_LENGTH_EXCEEDED,
-                )
+            self.check_text_length(prompt, param, truncated=keep_last is not None)
             token_ids = self.encode(prompt, add_special_tokens, param)
         else:
             token_ids = list(prompt)
@@ -136,6 +134,23 @@ class InputProcessor:
                 param, self._too_long_message(len(token_ids), param), code=CONTEXT_LENGTH_EXCEEDED
             )
         return token_ids
+
+    def check_text_length(self, text: str, param: str = "prompt", truncated: bool = True) -> None:
+        """Refuse, before any tokenizing, a text too long to tokenize: one that is not truncated
+        must fit the context (max_prompt_chars); any text at all, max_tokenize_chars."""
+        if not truncated and len(text) > self.max_prompt_chars:
+            raise InvalidParameterError(
+                param,
+                f"{param} has {len(text)} characters, more than fit in the {self.max_prompt_len} "
+                f"tokens a prompt may have (this model's maximum context length is {self.max_model_len})",
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
+        if len(text) > self.max_tokenize_chars:
+            raise InvalidParameterError(
+                param,
+                f"{param} has {len(text)} characters; at most {self.max_tokenize_chars} are tokenized "
+                "per text (--max-tokenize-chars)",
+            )
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of any text, whatever its length (/tokenize counts what may not fit)."""

@@ -33,6 +33,7 @@ from tessera.engine.core_client import EngineDeadError
 from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
 from tessera.entrypoints.api_key import ApiKeyGuard
 from tessera.entrypoints.body_guard import BodyGuard
+from tessera.entrypoints.http_limits import guarded_protocol, raise_open_file_limit
 from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -49,7 +50,12 @@ from tessera.entrypoints.protocol import (
 )
 from tessera.entrypoints.serve_args import add_serve_args
 from tessera.entrypoints.serving_chat import create_chat_completion
-from tessera.entrypoints.serving_common import APIError, ServingContext, error_response
+from tessera.entrypoints.serving_common import (
+    APIError,
+    ServingContext,
+    default_max_waiting_requests,
+    error_response,
+)
 from tessera.entrypoints.serving_completions import create_completion
 from tessera.entrypoints.serving_tokenize import detokenize, tokenize
 from tessera.sampling_params import InvalidParameterError
@@ -66,9 +72,12 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-# What the API key guards: the model's work. /health, /ping, /version and /metrics stay open, as
-# in vLLM, for probes and Prometheus.
-PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize")
+# What the API key guards: the model's work, and the API's description (which vLLM leaves open).
+# /health, /ping, /version and /metrics stay open, as in vLLM, for probes and Prometheus.
+DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")
+PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize", *DOCS_PATHS)
+# The only routes whose request bodies are read; any other body is never read (BodyGuard).
+BODY_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 async def require_json(request: Request) -> None:
@@ -111,7 +120,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def build_app(
-    ctx: ServingContext, api_key: str | None = None, allowed_origins: Sequence[str] = ()
+    ctx: ServingContext,
+    api_key: str | None = None,
+    allowed_origins: Sequence[str] = (),
+    body_timeout: float | None = None,
+    docs: bool = True,
 ) -> FastAPI:
     engine = ctx.engine
 
@@ -123,7 +136,8 @@ def build_app(
         # Off the loop: stopping the core takes seconds, and the last responses are still going out.
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
-    app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=lifespan)
+    no_docs: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=lifespan, **no_docs)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -149,7 +163,11 @@ def build_app(
     # The last middleware added runs first: the API key is checked before a body is even read.
     limits = ctx.limits
     app.add_middleware(
-        BodyGuard, max_body_size=limits.max_request_body_size, max_json_depth=limits.max_json_depth
+        BodyGuard,
+        max_body_size=limits.max_request_body_size,
+        max_json_depth=limits.max_json_depth,
+        body_paths=BODY_PATHS,
+        body_timeout=body_timeout,
     )
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key, protected_paths=PROTECTED_PATHS)
@@ -177,7 +195,8 @@ def build_app(
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=str(engine.config.model), max_model_len=engine.max_model_len)
+        # The served name, never the model's path on the server's disk.
+        return ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -267,9 +286,25 @@ def run_server(args: argparse.Namespace) -> int:
         return 2
     config = engine_config_from_args(args, args.model)
     names = args.served_model_name or [args.model]
-    engine = AsyncLLM(config, served_model_name=names[0])
-    ctx = ServingContext(engine, names, args.max_waiting_requests, ServingLimits.from_args(args))
-    app = build_app(ctx, api_key, args.allowed_origins)
+    limits = ServingLimits.from_args(args)
+    engine = AsyncLLM(config, served_model_name=names[0], max_stream_backlog=limits.max_stream_backlog)
+    if limits.max_tokenize_chars is not None:
+        engine.processor.max_tokenize_chars = limits.max_tokenize_chars
+    max_waiting = args.max_waiting_requests
+    if max_waiting is None:
+        max_waiting = default_max_waiting_requests(engine)
+    ctx = ServingContext(engine, names, max_waiting, limits)
+    app = build_app(
+        ctx, api_key, args.allowed_origins, body_timeout=args.timeout_body, docs=not args.disable_fastapi_docs
+    )
+    # Every connection is a file descriptor: room for the limit, the engine's sockets and files.
+    open_files = raise_open_file_limit(args.limit_concurrency + 1024)
+    if open_files < args.limit_concurrency + 64:
+        logger.warning(
+            "the open-file limit (%d) is below --limit-concurrency %d: connections beyond it are refused",
+            open_files,
+            args.limit_concurrency,
+        )
     server = DrainingServer(
         engine,
         uvicorn.Config(
@@ -277,6 +312,9 @@ def run_server(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level=args.log_level,
+            http=guarded_protocol(args.timeout_header, args.max_header_size),
+            limit_concurrency=args.limit_concurrency,
+            timeout_keep_alive=args.timeout_keep_alive,
             # A backstop only: DrainingServer answers what is still open after its grace period.
             timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 5,
             access_log=args.log_level == "debug",
@@ -297,12 +335,14 @@ def run_server(args: argparse.Namespace) -> int:
             "sampling defaults from the generation config (%s): %s", config.generation_config, defaults
         )
     logger.info(
-        "serving %s as %s on http://%s:%d (API key %s)",
+        "serving %s as %s on http://%s:%d (API key %s; at most %d sequences waiting, %d connections)",
         args.model,
         ", ".join(names),
         args.host,
         args.port,
         "required" if api_key else "not required",
+        max_waiting,
+        args.limit_concurrency,
     )
     try:
         server.run()  # on uvloop with httptools' parser (uvicorn's "auto"), as vLLM's server runs

@@ -26,6 +26,12 @@ class ServingLimits:
     max_stop_token_ids: int = 1024
     max_logprobs: int = MAX_LOGPROBS
     max_chat_messages: int = 4096
+    # prompts x scored positions x (logprobs + 1) x n: one entry is about 200 bytes in the API
+    # process (a Logprob, its decoded token, its JSON), so the default holds a request near 200 MiB.
+    max_prompt_logprobs_entries: int = 1 << 20
+    # None: 4 x the characters a full context can hold (InputProcessor.max_prompt_chars).
+    max_tokenize_chars: int | None = None
+    max_stream_backlog: int = 1024
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServingLimits:
@@ -63,6 +69,21 @@ class ServingLimits:
                 logprobs_param, f"{logprobs_param} must be at most {self.max_logprobs}, got {params.logprobs}"
             )
 
+    def check_prompt_logprobs(self, params: SamplingParams, prompt_lengths: list[int]) -> None:
+        """Echo with logprobs scores every prompt position: the answer holds prompts x positions x
+        (logprobs + 1) entries, once per choice (n). Refused before the engine does any work."""
+        if params.prompt_logprobs is None:
+            return
+        entries = sum(prompt_lengths) * (params.prompt_logprobs + 1) * params.n
+        if entries > self.max_prompt_logprobs_entries:
+            raise InvalidParameterError(
+                "logprobs",
+                f"echo with logprobs would score {entries} prompt logprob entries (prompt tokens x "
+                f"(logprobs + 1) x n = {sum(prompt_lengths)} x {params.prompt_logprobs + 1} x {params.n}); "
+                f"the cap is {self.max_prompt_logprobs_entries} (--max-prompt-logprobs-entries): "
+                "send fewer or shorter prompts, or fewer logprobs",
+            )
+
     def check_chat(self, num_messages: int) -> None:
         if num_messages > self.max_chat_messages:
             raise InvalidParameterError(
@@ -81,6 +102,13 @@ _HELP = {
     "max_stop_token_ids": "most stop token ids per request",
     "max_logprobs": f"largest logprobs / top_logprobs, at most {MAX_LOGPROBS} (as vLLM's --max-logprobs)",
     "max_chat_messages": "most messages in one /v1/chat/completions request",
+    "max_prompt_logprobs_entries": "most prompt logprob entries one echo request may ask for, counted as "
+    "prompt tokens x (logprobs + 1) x n (each is about 200 bytes of the server's memory); 400 beyond",
+    "max_stream_backlog": "most outputs a stream may leave unread (a client not reading it); beyond, its "
+    "request is aborted (its KV blocks freed) and the stream ends with an error",
+    "max_tokenize_chars": "longest text any path tokenizes (/tokenize, prompts with truncate_prompt_tokens, "
+    "chat and completion prompts), in characters; a prompt that is not truncated must also fit the "
+    "context. Default: 4 x the characters a full context can hold",
 }
 
 
@@ -91,7 +119,9 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
             "--" + field.name.replace("_", "-"),
             type=_TYPES.get(field.name, _positive_int),
             default=field.default,
-            help=f"{_HELP[field.name]} (default: {field.default})",
+            help=_HELP[field.name]
+            if field.default is None
+            else f"{_HELP[field.name]} (default: {field.default})",
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tessera.engine.arg_utils import add_engine_args
+from tessera.engine.arg_utils import add_engine_args, parse_size
 from tessera.entrypoints.limits import add_limit_args
 
 
@@ -32,14 +32,82 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-waiting-requests",
-        type=int,
+        type=_positive_int,
         default=None,
         help="answer 503 + Retry-After when a request's sequences (prompts x n) would join more than this "
-        "many waiting for the engine; a request is always admitted when none wait (default: no limit)",
+        "many waiting for the engine; a request is always admitted when none wait (default: the sequences "
+        "the KV cache holds at full context length, num_kv_blocks x block_size / max_model_len, at least "
+        "--max-num-seqs)",
     )
+    add_http_args(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_limit_args(parser)
     add_engine_args(parser, exclude=("model",))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def add_http_args(parser: argparse.ArgumentParser) -> None:
+    """What one connection may hold of the server: uvicorn's names where it has them."""
+    group = parser.add_argument_group("HTTP connections")
+    group.add_argument(
+        "--limit-concurrency",
+        type=_positive_int,
+        default=4096,
+        help="most open connections and running requests; beyond, a request is answered 503 at once "
+        "(uvicorn's limit_concurrency; the server raises its open-file limit to fit) (default: 4096)",
+    )
+    group.add_argument(
+        "--timeout-keep-alive",
+        type=_positive_float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (uvicorn's; as vLLM's) (default: 5)",
+    )
+    group.add_argument(
+        "--timeout-header",
+        type=_positive_float,
+        default=10.0,
+        help="seconds from a connection's (or request's) first byte to the end of its headers; "
+        "a slower client is disconnected (default: 10)",
+    )
+    group.add_argument(
+        "--timeout-body",
+        type=_positive_float,
+        default=30.0,
+        help="seconds to receive a request body once its headers are in; a slower client gets 408 and "
+        "is disconnected (default: 30)",
+    )
+    group.add_argument(
+        "--max-header-size",
+        type=parse_size,
+        default=64 * 1024,
+        help="largest request line plus headers, in bytes; a larger one is refused (431) and "
+        "disconnected (default: 64KiB)",
+    )
+    group.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no /docs, /redoc or /openapi.json (as vLLM's flag). Without it they are served as in "
+        "vLLM, but behind the API key when one is set",
+    )
 
 
 def _run_server(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from tessera.engine.async_llm import AsyncLLM
+from tessera.engine.async_llm import AsyncLLM, StreamBacklogError, TokenizerBusyError
 from tessera.engine.core_client import EngineDeadError
 from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
 from tessera.engine.processor import CONTEXT_LENGTH_EXCEEDED
@@ -61,6 +61,10 @@ class APIError(Exception):
             return cls(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
         if isinstance(exc, ServerShuttingDownError):
             return cls(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
+        if isinstance(exc, TokenizerBusyError):
+            return cls(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"})
+        if isinstance(exc, StreamBacklogError):
+            return cls(str(exc), HTTPStatus.REQUEST_TIMEOUT)
         logger.error("request failed", exc_info=exc)
         return cls(f"internal server error ({type(exc).__name__})", HTTPStatus.INTERNAL_SERVER_ERROR)
 
@@ -187,6 +191,8 @@ class ServingContext:
                 headers={"Retry-After": "5"},
             )
         limit = self.max_waiting_requests
+        if limit is None and self.engine is not None:
+            limit = self.max_waiting_requests = default_max_waiting_requests(self.engine)
         waiting = engine.num_waiting_requests
         if limit is not None and waiting > 0 and waiting + num_sequences > limit:
             raise APIError(
@@ -195,6 +201,14 @@ class ServingContext:
                 HTTPStatus.SERVICE_UNAVAILABLE,
                 headers={"Retry-After": "1"},
             )
+
+
+def default_max_waiting_requests(engine: AsyncLLM) -> int:
+    """--max-waiting-requests when not given: the sequences the KV cache holds at full context
+    length (num_kv_blocks x block_size / max_model_len), at least --max-num-seqs: as many as could
+    run at once, so one client cannot queue without bound."""
+    capacity = engine.kv_capacity_sequences
+    return max(engine.config.max_num_seqs, capacity or 0)
 
 
 async def listen_for_disconnect(request: Request) -> None:
@@ -233,7 +247,9 @@ async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator
         finally:
             await streams[0].aclose()
         return
-    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue()
+    # Bounded: a consumer that stops reading stops the pumps, so each request's own (bounded)
+    # output queue fills and the engine aborts it, rather than this queue growing.
+    queue: asyncio.Queue[tuple[int, T] | tuple[int, BaseException] | None] = asyncio.Queue(len(streams))
 
     async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
         try:

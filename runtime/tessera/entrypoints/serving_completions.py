@@ -111,6 +111,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_re
     ]
     for ids in token_lists:
         ctx.check_context(len(ids), params.max_tokens, "max_tokens", params.min_tokens)
+    ctx.limits.check_prompt_logprobs(params, [len(ids) for ids in token_lists])
     ctx.check_admission(len(prompts) * params.n)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     # A truncated prompt is echoed as what the model saw.
