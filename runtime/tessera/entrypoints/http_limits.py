@@ -59,12 +59,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is not None:
+        # Counted once parsed: only what arrived while the same request's headers were still
+        # incomplete (a chunk that ends them may carry the start of the body).
+        waiting_for = self._header_timer
+        super().data_received(data)
+        if waiting_for is not None and self._header_timer is waiting_for:
             self._header_bytes += len(data)
             if self._header_bytes > self.max_header_size:
                 self._refuse(_TOO_LARGE)
-                return
-        super().data_received(data)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
