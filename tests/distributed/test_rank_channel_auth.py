@@ -331,3 +331,22 @@ def test_a_stranger_cannot_join_the_gloo_group_and_the_ranks_meet_unharmed() -> 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_rank_with_another_secret_is_refused_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A misconfigured rank (another group's secret) never joins, never fails the group, and logs
+    why instead of waiting silently for its startup timeout."""
+    addr = f"ipc://{tmp_path}/rpc"
+    leader = Leader(addr, 2)
+    with caplog.at_level(logging.ERROR, logger="tessera.distributed.rpc"):
+        link = rpc.WorkerLink(addr, 1, OTHER_KEYS)
+        try:
+            wait_until(lambda: "handshake with the leader" in caplog.text, 30, what="the rank's error")
+            assert GROUP_SECRET_FILE_ENV in caplog.text
+            assert leader.messages == [] and leader.failures == []
+            assert leader.channel.rejected["handshake failed"] >= 1
+        finally:
+            link.close()
+            leader.channel.close()

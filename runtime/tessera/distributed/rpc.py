@@ -22,6 +22,7 @@ counted in ``LeaderChannel.rejected`` and logged (rate-limited), never fatal.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -41,6 +42,7 @@ from tessera.core.sched_output import ModelRunnerOutput
 from tessera.distributed.group_secret import GroupKeys
 from tessera.engine import serialization
 from tessera.sampling_params import MAX_LOGPROBS
+from tessera.topology import GROUP_SECRET_FILE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -399,6 +401,13 @@ class WorkerLink:
         self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._dealer.setsockopt(zmq.LINGER, 2000)
         self._dealer.setsockopt(zmq.IPV6, 1)  # a leader's name may resolve to IPv6 only
+        # A leader that holds another secret (or none) fails every handshake: say so, not just wait.
+        self._monitor = self._dealer.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        self._refusals_logged = -REJECT_LOG_INTERVAL_S
         self._dealer.connect(addr)
         self._wake_addr = f"{_WAKE}-{id(self)}"
         self._inbox_sock = self._zmq.socket(zmq.PULL)
@@ -439,6 +448,7 @@ class WorkerLink:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._inbox_sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         next_beat = 0.0
         lag = LagMeter()
         while not self._closed.is_set():
@@ -450,13 +460,17 @@ class WorkerLink:
                 self._dealer.send_multipart(self._inbox_sock.recv_multipart())
             if self._dealer in events:
                 _drain(self._dealer, self._receive)
+            if self._monitor in events:
+                self._handshake_failed()
             now = time.monotonic()
             if now >= next_beat:  # HELLO until the leader answers, then heartbeats
                 next_beat = now + HEARTBEAT_INTERVAL_S
                 beat = HELLO if self._leader_seen is None else PONG
-                self._dealer.send_multipart(
-                    [beat, serialization.encode({"rank": self.rank, "instance": self._instance})]
-                )
+                with contextlib.suppress(zmq.Again):  # queued past the high-water mark: no use
+                    self._dealer.send_multipart(
+                        [beat, serialization.encode({"rank": self.rank, "instance": self._instance})],
+                        zmq.NOBLOCK,
+                    )
             silence_limit = HEARTBEAT_TIMEOUT_S if self._armed else STARTUP_SILENCE_S
             if self._leader_seen is not None and now - self._leader_seen > silence_limit:
                 logger.error(
@@ -471,6 +485,18 @@ class WorkerLink:
         # What send() queued just before close() still goes out: a failing rank's last FATAL.
         while self._inbox_sock.poll(0):
             self._dealer.send_multipart(self._inbox_sock.recv_multipart())
+
+    def _handshake_failed(self) -> None:
+        while self._monitor.poll(0):
+            self._monitor.recv_multipart()
+        now = time.monotonic()
+        if now - self._refusals_logged >= REJECT_LOG_INTERVAL_S:
+            self._refusals_logged = now
+            logger.error(
+                "rank %d: the handshake with the leader at %s failed: it holds another group secret, "
+                "or is no Tessera leader (%s names this rank's secret file)",
+                self.rank, self._addr, GROUP_SECRET_FILE_ENV,
+            )  # fmt: skip
 
     def _receive(self, frames: list[bytes]) -> None:
         self._leader_seen = time.monotonic()

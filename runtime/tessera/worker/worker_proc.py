@@ -16,7 +16,7 @@ import sys
 import traceback
 from typing import Any
 
-from tessera.topology import Topology, TopologyError
+from tessera.topology import GROUP_SECRET_FILE_ENV, Topology, TopologyError
 
 logger = logging.getLogger("tessera.worker")
 
@@ -102,7 +102,8 @@ def _serve(link: Any, topology: Topology, environ: dict[str, str] | os._Environ[
         kind, welcome = link.inbox.get(timeout=RANK_STARTUP_TIMEOUT_S)
     except queue.Empty:
         raise TimeoutError(
-            f"no leader answered at {leader_rpc_addr(topology, environ)} in {RANK_STARTUP_TIMEOUT_S:.0f} s"
+            f"no leader answered at {leader_rpc_addr(topology, environ)} in {RANK_STARTUP_TIMEOUT_S:.0f} s "
+            f"(a leader of another group secret never does: {GROUP_SECRET_FILE_ENV} names this rank's)"
         ) from None
     if kind == rpc.SHUTDOWN:  # the leader gave up before this rank joined (it logs why)
         logger.info("rank %d: the leader shut down before this rank joined", topology.rank)
