@@ -180,6 +180,13 @@ class EngineSpec(Wire):
     sampling_defaults: SamplingDefaultsSpec | None = Field(
         default=None, description="Sampling defaults over the generation config."
     )
+    max_waiting_requests: int | None = Field(
+        default=None,
+        ge=1,
+        le=2**31 - 1,
+        description="The leader answers 503 + Retry-After past this many sequences waiting for the "
+        "engine (tessera serve --max-waiting-requests); default: the runtime's own, from the KV cache.",
+    )
 
 
 class EnvVar(Wire):
@@ -344,6 +351,30 @@ class AutoscalingSpec(Wire):
     )
 
 
+class NetworkPolicySpec(Wire):
+    """The NetworkPolicies the operator keeps for the cluster (docs/SECURITY.md, "Network")."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Keep two NetworkPolicies: between the cluster's rank pods every TCP port; to the "
+        "leaders' HTTP port only from the clients chosen here and from namespaces labelled "
+        "tessera.dev/operator=true (the autoscaler reads /metrics). Needs a network plugin that "
+        "enforces NetworkPolicies.",
+    )
+    client_namespace_selector: dict[str, str] | None = Field(
+        default=None,
+        max_length=MAX_LIST_ITEMS,
+        description="Labels (matchLabels) of the namespaces whose pods may call the leaders' HTTP API. "
+        "Neither this nor clientPodSelector: every pod of the cluster's own namespace.",
+    )
+    client_pod_selector: dict[str, str] | None = Field(
+        default=None,
+        max_length=MAX_LIST_ITEMS,
+        description="Labels (matchLabels) of the client pods that may call the leaders' HTTP API (in "
+        "the namespaces of clientNamespaceSelector, or without it in the cluster's own namespace).",
+    )
+
+
 class InferenceClusterSpec(Wire):
     model: ModelSpec = Field(description="The model served.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel layout.")
@@ -364,6 +395,9 @@ class InferenceClusterSpec(Wire):
     autoscaling: AutoscalingSpec | None = Field(default=None, description="Queue-depth autoscaling.")
     disruption_budget: DisruptionBudgetSpec = Field(
         default_factory=DisruptionBudgetSpec, description="Eviction limits for node drains."
+    )
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="NetworkPolicies the operator keeps for the cluster."
     )
 
 

@@ -6,15 +6,27 @@ The topology environment is written by the runtime's own contract module (`tesse
 
 from __future__ import annotations
 
+import base64
 import copy
 import hashlib
 import json
-from collections.abc import Iterable
+import secrets
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from tessera.engine.arg_utils import engine_cli_args
-from tessera.topology import DEFAULT_API_PORT, DEFAULT_DIST_PORT, DEFAULT_RPC_PORT, ParallelLayout, Topology
+from tessera.topology import (
+    DEFAULT_API_PORT,
+    DEFAULT_DIST_PORT,
+    DEFAULT_GROUP_SECRET_FILE,
+    DEFAULT_RPC_PORT,
+    GROUP_SECRET_FILE_ENV,
+    GROUP_SECRET_FILE_NAME,
+    GROUP_SECRET_MOUNT_DIR,
+    ParallelLayout,
+    Topology,
+)
 from tessera_operator import naming
 from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
 from tessera_operator.observe import GROUP_SIZE_ANNOTATION
@@ -26,6 +38,13 @@ RUNTIME_UID = 1000
 # Prefix-cache block hashes use Python's hash(): every rank of every group must agree.
 PYTHONHASHSEED = "0"
 HEALTH_PATH = "/health"
+# `tessera serve`'s flag (entrypoints/serve_args.py; a serve flag, not an engine setting).
+MAX_WAITING_FLAG = "--max-waiting-requests"
+# Bytes of each group's secret (the runtime needs at least 32).
+GROUP_SECRET_BYTES = 32
+# Only the pod's user (and fsGroup) reads it: the kubelet makes a read-only volume's files
+# group-readable for the pod's fsGroup (RUNTIME_UID), so 0400 is readable by the rank.
+GROUP_SECRET_MODE = 0o400
 # Fields whose change alters pods (and so starts a rolling update); replicas, rollout,
 # restartPolicy and autoscaling do not.
 POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement")
@@ -68,6 +87,7 @@ REVISION_BASELINE: dict[str, Any] = {
         "enableChunkedPrefill": True,
         "generationConfig": "auto",
         "samplingDefaults": None,
+        "maxWaitingRequests": None,
     },
     "template": {
         "image": "localhost/tessera/runtime-cpu:0.1.0",
@@ -234,6 +254,8 @@ def container_command(spec: InferenceClusterSpec, leader: bool) -> tuple[list[st
         served = spec.model.served_name or spec.model.source
         args = engine_args(spec)
         args += ["--served-model-name", served, "--host", "0.0.0.0", "--port", str(DEFAULT_API_PORT)]
+        if spec.engine.max_waiting_requests is not None:  # only when set: no roll on upgrade
+            args += [MAX_WAITING_FLAG, str(spec.engine.max_waiting_requests)]
         return ["tessera", "serve"], args
     return ["tessera", "worker"], []
 
@@ -275,22 +297,47 @@ def affinity_for(spec: InferenceClusterSpec, cluster: str, group: int, stage: in
 def env_for(topology: Topology, spec: InferenceClusterSpec) -> list[dict[str, Any]]:
     """The contract first, then the user's variables (the webhook rejects names that clash): the
     kubelet expands `$(TESSERA_RANK)` in a value only from variables listed before it."""
-    user = [var.wire() for var in spec.template.env if var.name not in RESERVED_ENV]
+    user = [var.wire() for var in spec.template.env if var.name not in RESERVED_ENV | {GROUP_SECRET_FILE_ENV}]
     user_names = {var["name"] for var in user}
     env = [{"name": k, "value": v} for k, v in topology.to_env().items()]
     env.append({"name": "PYTHONHASHSEED", "value": PYTHONHASHSEED})
+    # The file's path, never the secret: an environment shows in `kubectl describe` and dumps.
+    env.append({"name": GROUP_SECRET_FILE_ENV, "value": DEFAULT_GROUP_SECRET_FILE})
     env += [{"name": k, "value": v} for k, v in WRITABLE_ENV.items() if k not in user_names]
     return env + user
 
 
-def volumes_for(spec: InferenceClusterSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(volumes, mounts): the operator's writable emptyDirs, unless the user mounts that path, then the user's."""
+def group_secret_volume(cluster: str, group: int) -> dict[str, Any]:
+    """The group's key of the cluster's Secret, alone, as the file the runtime reads."""
+    return {
+        "name": naming.GROUP_SECRET_VOLUME,
+        "secret": {
+            "secretName": naming.group_secret_name(cluster),
+            "items": [{"key": naming.group_secret_key(group), "path": GROUP_SECRET_FILE_NAME}],
+            "defaultMode": GROUP_SECRET_MODE,
+        },
+    }
+
+
+def volumes_for(
+    spec: InferenceClusterSpec, cluster: str = "", group: int = 0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts): the group secret, the operator's writable emptyDirs (unless the user
+    mounts that path), then the user's. The group secret cannot be replaced: a user volume of
+    its name or a user mount at its path is left out (the pod policy refuses both anyway)."""
     template = spec.template
-    user_paths = {m.get("mountPath") for m in template.volume_mounts}
+    user_mounts = [
+        m for m in template.volume_mounts
+        if m.get("mountPath") != GROUP_SECRET_MOUNT_DIR and m.get("name") != naming.GROUP_SECRET_VOLUME
+    ]  # fmt: skip
+    user_volumes = [v for v in template.volumes if v.get("name") not in naming.OPERATOR_VOLUMES]
+    user_paths = {m.get("mountPath") for m in user_mounts}
     own = [(name, path, source) for name, path, source in WRITABLE_VOLUMES if path not in user_paths]
-    volumes = [{"name": name, "emptyDir": dict(source)} for name, _, source in own]
-    mounts = [{"name": name, "mountPath": path} for name, path, _ in own]
-    return volumes + copy.deepcopy(template.volumes), mounts + copy.deepcopy(template.volume_mounts)
+    volumes = [group_secret_volume(cluster, group)]
+    volumes += [{"name": name, "emptyDir": dict(source)} for name, _, source in own]
+    mounts = [{"name": naming.GROUP_SECRET_VOLUME, "mountPath": GROUP_SECRET_MOUNT_DIR, "readOnly": True}]
+    mounts += [{"name": name, "mountPath": path} for name, path, _ in own]
+    return volumes + copy.deepcopy(user_volumes), mounts + copy.deepcopy(user_mounts)
 
 
 def pod_labels(ref: ClusterRef, group: int, stage: int, tp_rank: int, revision: str) -> dict[str, str]:
@@ -313,7 +360,7 @@ def build_pod(
     name = naming.pod_name(ref.name, group, stage, tp_rank)
     template = spec.template
     command, args = container_command(spec, leader)
-    volumes, mounts = volumes_for(spec)
+    volumes, mounts = volumes_for(spec, ref.name, group)
     ports = [
         {"name": "dist", "containerPort": topology.dist_port, "protocol": "TCP"},
         {"name": "rpc", "containerPort": topology.rpc_port, "protocol": "TCP"},
@@ -429,7 +476,7 @@ def build_headless_service(ref: ClusterRef) -> dict[str, Any]:
         {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": naming.cluster_selector(ref.name),
+            "selector": naming.rank_selector(ref.name),
             "ports": [
                 {"name": "dist", "port": DEFAULT_DIST_PORT, "targetPort": "dist", "protocol": "TCP"},
                 {"name": "rpc", "port": DEFAULT_RPC_PORT, "targetPort": "rpc", "protocol": "TCP"},
@@ -445,7 +492,7 @@ def build_client_service(ref: ClusterRef) -> dict[str, Any]:
         naming.client_service_name(ref.name),
         {
             "type": "ClusterIP",
-            "selector": naming.leader_selector(ref.name),
+            "selector": naming.rank_leader_selector(ref.name),
             "ports": [{"name": "http", "port": DEFAULT_API_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     )
@@ -468,7 +515,7 @@ def build_disruption_budget(
         "minAvailable": pods - 1,
         # Rank pods only: another pod with the cluster label (a client let through a
         # NetworkPolicy) would count as available and let a second rank go.
-        "selector": {"matchLabels": {**naming.cluster_selector(ref.name), **naming.MANAGED_BY}},
+        "selector": {"matchLabels": naming.rank_selector(ref.name)},
     }
     if api_version == "policy/v1":  # 1.26+: a pod that is not Ready serves nothing; let it go
         budget["unhealthyPodEvictionPolicy"] = "AlwaysAllow"
@@ -487,3 +534,83 @@ def build_disruption_budget(
 
 def endpoint_of(ref: ClusterRef) -> str:
     return f"http://{naming.client_service_name(ref.name)}.{ref.namespace}.svc:{DEFAULT_API_PORT}/v1"
+
+
+def _owned_metadata(ref: ClusterRef, name: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": {**naming.MANAGED_BY, naming.CLUSTER_LABEL: ref.name},
+        "ownerReferences": [owner_reference(ref)],
+    }
+
+
+def new_group_secret_value(token: Callable[[int], bytes] = secrets.token_bytes) -> str:
+    """A fresh group secret as a Secret's `data` holds it (base64)."""
+    return base64.b64encode(token(GROUP_SECRET_BYTES)).decode()
+
+
+def missing_group_keys(
+    data: dict[str, str], groups: Iterable[int], token: Callable[[int], bytes] = secrets.token_bytes
+) -> dict[str, str]:
+    """New keys for the groups that have none in `data` (a Secret's); existing keys are never
+    replaced: a group's running pods hold its key, and a new key would split the group."""
+    return {
+        key: new_group_secret_value(token)
+        for key in sorted({naming.group_secret_key(g) for g in groups})
+        if key not in data
+    }
+
+
+def build_group_secret(ref: ClusterRef, data: dict[str, str]) -> dict[str, Any]:
+    """The cluster's Secret of group secrets (one key per group), owned by the cluster."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _owned_metadata(ref, naming.group_secret_name(ref.name)),
+        "type": "Opaque",
+        "data": dict(data),
+    }
+
+
+# Namespaces whose pods may read the leaders' /metrics (the operator's autoscaler): Kubernetes
+# 1.20 has no kubernetes.io/metadata.name label to select the operator's namespace by name.
+OPERATOR_NAMESPACE_LABELS = {"tessera.dev/operator": "true"}
+
+
+def build_network_policies(ref: ClusterRef, spec: InferenceClusterSpec) -> list[dict[str, Any]]:
+    """The NetworkPolicies of `spec.networkPolicy` (none when off), as examples/networkpolicy.yaml:
+    rank pods take every TCP port from the cluster's rank pods; leaders take their HTTP port from
+    the chosen clients and the operator's namespace. Pods are selected by the labels only the
+    operator sets on the pods it makes (`naming.rank_selector`), not by the cluster label alone."""
+    settings = spec.network_policy
+    if not settings.enabled:
+        return []
+    ranks_name, clients_name = naming.network_policy_names(ref.name)
+    ranks = {"matchLabels": naming.rank_selector(ref.name)}
+    client: dict[str, Any] = {}
+    if settings.client_namespace_selector is not None:
+        client["namespaceSelector"] = {"matchLabels": dict(settings.client_namespace_selector)}
+    if settings.client_pod_selector is not None:
+        client["podSelector"] = {"matchLabels": dict(settings.client_pod_selector)}
+    if not client:  # neither: the cluster's own namespace
+        client["podSelector"] = {}
+    operator = {"namespaceSelector": {"matchLabels": dict(OPERATOR_NAMESPACE_LABELS)}}
+
+    def policy(name: str, selector: dict[str, Any], ingress: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": _owned_metadata(ref, name),
+            "spec": {"podSelector": selector, "policyTypes": ["Ingress"], "ingress": ingress},
+        }
+
+    return [
+        # Every TCP port: gloo and NCCL connect ranks on ephemeral ports.
+        policy(ranks_name, ranks, [{"from": [{"podSelector": ranks}]}]),
+        policy(
+            clients_name,
+            {"matchLabels": naming.rank_leader_selector(ref.name)},
+            [{"from": [client, operator], "ports": [{"port": DEFAULT_API_PORT, "protocol": "TCP"}]}],
+        ),
+    ]

@@ -68,3 +68,25 @@ def group_secret_name(cluster: str) -> str:
 def group_secret_key(group: int) -> str:
     """A group's key in that Secret: each rank pod mounts only its own group's key."""
     return f"group-{group}"
+
+
+# The group secret's volume in every rank pod (key `group_secret_key(group)` only, as one file).
+GROUP_SECRET_VOLUME = "tessera-group-secret"
+OPERATOR_VOLUMES = OPERATOR_VOLUMES | {GROUP_SECRET_VOLUME}
+
+
+def rank_selector(cluster: str) -> dict[str, str]:
+    """The cluster's rank pods as the operator labels them: the cluster label and managed-by, which
+    a spec cannot set (the pod policy reserves both). Services, NetworkPolicies and the budget
+    select by it, so a pod an InferenceCluster author makes for another cluster never matches.
+    Anyone who may create pods in the namespace can still set both labels (docs/SECURITY.md)."""
+    return {CLUSTER_LABEL: cluster, **MANAGED_BY}
+
+
+def rank_leader_selector(cluster: str) -> dict[str, str]:
+    return {**rank_selector(cluster), ROLE_LABEL: LEADER}
+
+
+def network_policy_names(cluster: str) -> tuple[str, str]:
+    """(rank-to-rank, clients-to-leaders) NetworkPolicies of `spec.networkPolicy`."""
+    return f"{cluster}-ranks", f"{cluster}-clients"

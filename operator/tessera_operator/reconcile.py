@@ -163,12 +163,6 @@ class Reconciler:
                 ic_path, ref, spec, version, observation, previous, status, now
             )
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
-        writes = [
-            *(self.create(core_path(namespace, "pods"), pod) for pod in to_create),
-            self.ensure_services(ref, services),
-            self.ensure_disruption_budget(ref, spec, decision.surge),
-            *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
-        ]
         intent = previous
         if decision.delete_pods or decision.create_groups:
             # Intent first: a backoff deadline, an Updating mark or a group recreated after its
@@ -176,7 +170,21 @@ class Reconciler:
             # take the recreated group for one still backing off, and tear it down).
             intent = intent_status(status, previous)
             await self.write_status(ic_path, previous, intent)
-        refused = await self.refused_writes(writes)
+        refused: list[WriteRefused] = []
+        if to_create:  # the pods mount their group's key: it exists before they do
+            try:
+                await self.ensure_group_secret(ref, decision.create_groups)
+            except WriteRefused as exc:
+                refused.append(exc)
+                to_create = []
+        writes = [
+            *(self.create(core_path(namespace, "pods"), pod) for pod in to_create),
+            self.ensure_services(ref, services),
+            self.ensure_disruption_budget(ref, spec, decision.surge),
+            self.ensure_network_policies(ref, spec),
+            *(self.delete_pod(namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
+        ]
+        refused += await self.refused_writes(writes)
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
             message = f"{refused[0]}{more}"
@@ -495,6 +503,80 @@ class Reconciler:
         except ApiError as exc:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
                 raise refusal(FAILED_CREATE, f"updating poddisruptionbudget {ref.name}", exc) from exc
+
+    async def ensure_group_secret(self, ref: builders.ClusterRef, groups: Iterable[int]) -> None:
+        """The cluster's Secret holds a key for each of `groups`: created with them, or given the
+        missing ones. Keys are never rotated (a group's running pods hold theirs). A Secret of that
+        name the cluster does not control is refused, not used: its author would know the keys.
+        Values never reach a log, an Event or status: messages name the Secret and keys only."""
+        name = naming.group_secret_name(ref.name)
+        path = core_path(ref.namespace, "secrets")
+        try:
+            current = await self.client.get(f"{path}/{name}")
+        except ApiError as exc:
+            if exc.status != 404:
+                raise refusal(FAILED_CREATE, f"reading secret {name}", exc) from exc
+            current = None
+        if current is None:
+            body = builders.build_group_secret(ref, builders.missing_group_keys({}, groups))
+            if not await self.create(path, body):
+                raise ApiError(409, f"secret {name} was created meanwhile")  # transient: look again
+            return
+        orphaned = is_orphaned(current, ref.name)
+        if not orphaned and not controlled_by(current, ref.uid):
+            raise not_ours(FAILED_CREATE, f"creating secret {name}", "Secret")
+        data = current.get("data") or {}
+        missing = builders.missing_group_keys(data, groups)
+        if not missing and not orphaned:
+            return
+        # resourceVersion: a concurrent writer's keys are never overwritten (409, looked at again).
+        version = current["metadata"].get("resourceVersion")
+        patch: dict[str, Any] = {"metadata": {"resourceVersion": version} if version else {}}
+        if orphaned:  # left by an orphaning delete: the next cluster of the name adopts it
+            patch["metadata"].update(adoption(current, ref)["metadata"])
+        if missing:
+            patch["data"] = missing
+        try:
+            await self.client.merge_patch(f"{path}/{name}", patch)
+        except ApiError as exc:
+            if exc.status == 409:
+                raise
+            raise refusal(FAILED_CREATE, f"adding keys {sorted(missing)} to secret {name}", exc) from exc
+        if missing:
+            log.info("%s/%s: secret %s: keys %s added", ref.namespace, ref.name, name, sorted(missing))
+
+    async def ensure_network_policies(self, ref: builders.ClusterRef, spec: InferenceClusterSpec) -> None:
+        """The NetworkPolicies of spec.networkPolicy; this cluster's own are removed when it is off.
+        Without rights on NetworkPolicies (a Role from before them) and none wanted: nothing to do."""
+        desired = {p["metadata"]["name"]: p for p in builders.build_network_policies(ref, spec)}
+        path = custom_path("networking.k8s.io", "v1", ref.namespace, "networkpolicies")
+        selector = naming.selector_string(naming.cluster_selector(ref.name))
+        try:
+            listed = await self.client.list(path, selector)
+        except ApiError as exc:
+            if not desired and exc.status in (403, 404):
+                return
+            raise refusal(FAILED_CREATE, "listing networkpolicies", exc) from exc
+        current = {p["metadata"]["name"]: p for p in listed}
+        names = set(naming.network_policy_names(ref.name))
+        try:
+            for name in sorted(names):
+                have, want = current.get(name), desired.get(name)
+                if have is not None and not controlled_by(have, ref.uid):
+                    if want is not None:
+                        raise not_ours(FAILED_CREATE, f"creating networkpolicy {name}", "NetworkPolicy")
+                    continue  # not ours: not ours to delete either
+                if want is None:
+                    if have is not None:
+                        await self.client.delete(f"{path}/{name}", uid=have["metadata"]["uid"])
+                elif have is None:
+                    await self.create(path, want)
+                elif have.get("spec") != want["spec"]:  # a PUT: a merge patch would keep stale labels
+                    body = {**have, "spec": want["spec"]}  # its resourceVersion: 409 if changed meanwhile
+                    await self.client.request("PUT", f"{path}/{name}", body=body)
+        except ApiError as exc:
+            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
+                raise refusal(FAILED_CREATE, "updating networkpolicies", exc) from exc
 
     async def post_events(self, ref: builders.ClusterRef, events: list[Event]) -> None:
         """One Event object per (object, type, reason, message), as client-go's correlator keeps

@@ -121,8 +121,18 @@ def test_template_fields_are_merged_and_gpus_added_per_rank() -> None:
     env = env_dict(pod)
     assert env["HF_HOME"] == "/cache" and env["TESSERA_RANK"] == "2"  # the contract cannot be overridden
     # The user's volume at /cache replaces the operator's cache emptyDir.
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["dshm", "tessera-tmp", "cache"]
-    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/dev/shm", "/tmp", "/cache"]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == [
+        "tessera-group-secret",
+        "dshm",
+        "tessera-tmp",
+        "cache",
+    ]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == [
+        "/etc/tessera/group-secret",
+        "/dev/shm",
+        "/tmp",
+        "/cache",
+    ]
     assert pod["spec"]["affinity"]["nodeAffinity"] == {"x": 1}
     assert spec.template.affinity == {"nodeAffinity": {"x": 1}}  # the spec itself is not mutated
 
@@ -255,8 +265,13 @@ def test_services_headless_for_rendezvous_and_client_for_ready_leaders() -> None
     headless, client = builders.build_headless_service(REF), builders.build_client_service(REF)
     assert headless["metadata"]["name"] == naming.headless_service_name("demo")
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
-    assert headless["spec"]["selector"] == {"tessera.dev/cluster": "demo"}
-    assert client["spec"]["selector"] == {"tessera.dev/cluster": "demo", "tessera.dev/role": "leader"}
+    managed = {"app.kubernetes.io/managed-by": "tessera-operator"}
+    assert headless["spec"]["selector"] == {"tessera.dev/cluster": "demo", **managed}
+    assert client["spec"]["selector"] == {
+        "tessera.dev/cluster": "demo",
+        "tessera.dev/role": "leader",
+        **managed,
+    }
     assert "publishNotReadyAddresses" not in client["spec"]
     assert builders.endpoint_of(REF) == "http://demo.ns.svc:8000/v1"
 
@@ -288,7 +303,7 @@ def test_rank_pods_hold_no_token_and_write_only_to_their_empty_dirs() -> None:
     assert "serviceAccountName" not in pod["spec"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if not m.get("readOnly")}
     assert mounts == {"/dev/shm": "dshm", "/cache": "tessera-cache", "/tmp": "tessera-tmp"}
     assert all("emptyDir" in volumes[name] for name in mounts.values())
     env = env_dict(pod)
@@ -374,3 +389,146 @@ def test_sampling_defaults_reach_the_leaders_flags() -> None:
     config = engine_config_from_args(parser.parse_args(args), "smollm2-135m-instruct")
     assert config.generation_config == "vllm"
     assert config.override_generation_config == {"temperature": 0.7, "max_tokens": 512}
+
+
+# --- issue 63: the group secret, NetworkPolicies, operator-only selectors, maxWaitingRequests ---
+
+
+def test_every_rank_mounts_only_its_own_groups_key_read_only_as_the_runtimes_file() -> None:
+    from tessera.topology import DEFAULT_GROUP_SECRET_FILE, GROUP_SECRET_FILE_ENV, GROUP_SECRET_MOUNT_DIR
+
+    spec = spec_of(replicas=2)
+    for group in (0, 1):
+        for pod in builders.build_group(REF, spec, "r", group):
+            volumes = [v for v in pod["spec"]["volumes"] if "secret" in v]
+            assert volumes == [
+                {
+                    "name": "tessera-group-secret",
+                    "secret": {
+                        "secretName": "demo-group-secret",
+                        "items": [{"key": f"group-{group}", "path": "secret"}],
+                        "defaultMode": 0o400,
+                    },
+                }
+            ]
+            [mount] = [
+                m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "tessera-group-secret"
+            ]
+            assert mount == {
+                "name": "tessera-group-secret",
+                "mountPath": GROUP_SECRET_MOUNT_DIR,
+                "readOnly": True,
+            }
+            assert env_dict(pod)[GROUP_SECRET_FILE_ENV] == DEFAULT_GROUP_SECRET_FILE
+            # 0400 is readable by the rank: the kubelet gives the file to the pod's fsGroup.
+            context = pod["spec"]["securityContext"]
+            assert context["fsGroup"] == context["runAsUser"] == builders.RUNTIME_UID
+
+
+def test_the_spec_cannot_replace_the_group_secret_volume_its_mount_or_its_variable() -> None:
+    from tessera.topology import DEFAULT_GROUP_SECRET_FILE, GROUP_SECRET_FILE_ENV
+
+    assert naming.GROUP_SECRET_VOLUME in naming.OPERATOR_VOLUMES  # the pod policy refuses the name
+    template = TemplateSpec.model_validate(
+        {
+            "volumes": [{"name": "tessera-group-secret", "emptyDir": {}}, {"name": "x", "emptyDir": {}}],
+            "volumeMounts": [{"name": "x", "mountPath": "/etc/tessera/group-secret"}],
+            "env": [{"name": GROUP_SECRET_FILE_ENV, "value": "/tmp/mine"}],
+        }
+    )
+    spec = spec_of().model_copy(update={"template": template})
+    pod = builders.build_pod(REF, spec, "r", 0, 0, 0)
+    [volume] = [v for v in pod["spec"]["volumes"] if v["name"] == "tessera-group-secret"]
+    assert "secret" in volume
+    mounts = [
+        m
+        for m in pod["spec"]["containers"][0]["volumeMounts"]
+        if m["mountPath"] == "/etc/tessera/group-secret"
+    ]
+    assert mounts == [
+        {"name": "tessera-group-secret", "mountPath": "/etc/tessera/group-secret", "readOnly": True}
+    ]
+    env = pod["spec"]["containers"][0]["env"]
+    assert [e["value"] for e in env if e["name"] == GROUP_SECRET_FILE_ENV] == [DEFAULT_GROUP_SECRET_FILE]
+
+
+def test_group_secret_keys_are_added_for_new_groups_and_never_replaced() -> None:
+    import base64
+
+    data = builders.missing_group_keys({}, [0, 1])
+    assert sorted(data) == ["group-0", "group-1"]
+    assert all(len(base64.b64decode(v)) == 32 for v in data.values())
+    assert data["group-0"] != data["group-1"]
+    assert builders.missing_group_keys(data, [0, 1]) == {}
+    more = builders.missing_group_keys(data, [1, 2])
+    assert list(more) == ["group-2"]
+    secret = builders.build_group_secret(REF, {**data, **more})
+    assert secret["type"] == "Opaque"
+    assert secret["metadata"]["name"] == "demo-group-secret"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == REF.uid
+    assert secret["metadata"]["ownerReferences"][0]["controller"] is True
+    assert secret["metadata"]["labels"] == {
+        "app.kubernetes.io/managed-by": "tessera-operator",
+        "tessera.dev/cluster": "demo",
+    }
+
+
+def test_services_select_rank_pods_by_labels_only_the_operator_sets() -> None:
+    managed = {"app.kubernetes.io/managed-by": "tessera-operator"}
+    headless = builders.build_headless_service(REF)["spec"]["selector"]
+    client = builders.build_client_service(REF)["spec"]["selector"]
+    assert headless == {"tessera.dev/cluster": "demo", **managed}
+    assert client == {"tessera.dev/cluster": "demo", "tessera.dev/role": "leader", **managed}
+    pod_labels = builders.build_pod(REF, spec_of(), "r", 0, 0, 0)["metadata"]["labels"]
+    assert headless.items() <= pod_labels.items() and client.items() <= pod_labels.items()
+
+
+def test_network_policies_only_when_enabled_and_select_by_operator_only_labels() -> None:
+    assert builders.build_network_policies(REF, spec_of()) == []
+    spec = spec_of(networkPolicy={"enabled": True, "clientNamespaceSelector": {"team": "a"}})
+    ranks, clients = builders.build_network_policies(REF, spec)
+    managed = {"app.kubernetes.io/managed-by": "tessera-operator"}
+    assert ranks["metadata"]["name"] == "demo-ranks" and clients["metadata"]["name"] == "demo-clients"
+    for policy in (ranks, clients):
+        assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == REF.uid
+    selector = {"matchLabels": {"tessera.dev/cluster": "demo", **managed}}
+    assert ranks["spec"]["podSelector"] == selector
+    assert ranks["spec"]["ingress"] == [{"from": [{"podSelector": selector}]}]  # every port
+    assert clients["spec"]["podSelector"] == {
+        "matchLabels": {"tessera.dev/cluster": "demo", "tessera.dev/role": "leader", **managed}
+    }
+    [rule] = clients["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"team": "a"}}},
+        {"namespaceSelector": {"matchLabels": {"tessera.dev/operator": "true"}}},
+    ]
+    both = spec_of(
+        networkPolicy={
+            "enabled": True,
+            "clientNamespaceSelector": {"t": "a"},
+            "clientPodSelector": {"app": "c"},
+        }
+    )
+    assert builders.build_network_policies(REF, both)[1]["spec"]["ingress"][0]["from"][0] == {
+        "namespaceSelector": {"matchLabels": {"t": "a"}},
+        "podSelector": {"matchLabels": {"app": "c"}},
+    }
+    own = spec_of(networkPolicy={"enabled": True})
+    assert builders.build_network_policies(REF, own)[1]["spec"]["ingress"][0]["from"][0] == {
+        "podSelector": {}
+    }
+
+
+def test_max_waiting_requests_reaches_the_leader_only_when_set() -> None:
+    leader_args = builders.build_pod(REF, spec_of(), "r", 0, 0, 0)["spec"]["containers"][0]["args"]
+    assert builders.MAX_WAITING_FLAG not in leader_args  # unset: existing pods do not roll
+    spec = spec_of(engine={"maxWaitingRequests": 7})
+    assert builders.revision_of(spec) != builders.revision_of(spec_of())
+    args = builders.build_pod(REF, spec, "r", 0, 0, 0)["spec"]["containers"][0]["args"]
+    assert args[args.index(builders.MAX_WAITING_FLAG) + 1] == "7"
+    assert builders.build_pod(REF, spec, "r", 0, 1, 0)["spec"]["containers"][0]["args"] == []
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(args).max_waiting_requests == 7

@@ -710,3 +710,78 @@ async def test_a_dry_run_with_no_answer_in_time_is_no_refusal(monkeypatch: pytes
     await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
     assert time.monotonic() - started < 2
     assert len(pod_names(client)) == 4
+
+
+# --- issue 63: the group secret and the NetworkPolicies ---
+
+SECRET = "/api/v1/namespaces/ns/secrets/demo-group-secret"
+POLICIES = "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies/"
+
+
+async def test_the_group_secret_is_created_owned_before_the_pods_with_a_key_per_group() -> None:
+    client = fake_with_cluster(replicas=2)
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    secret = client.objects[SECRET]
+    assert secret["type"] == "Opaque" and sorted(secret["data"]) == ["group-0", "group-1"]
+    [owner] = secret["metadata"]["ownerReferences"]
+    assert (owner["uid"], owner["controller"], owner["kind"]) == ("ic-uid", True, "InferenceCluster")
+    posts = [path for method, path in client.calls if method == "POST"]
+    assert posts.index("/api/v1/namespaces/ns/secrets") < posts.index("/api/v1/namespaces/ns/pods")
+    for name in pod_names(client):
+        group = name.split("-g")[1].split("-")[0]
+        [volume] = [v for v in client.objects[PODS + name]["spec"]["volumes"] if "secret" in v]
+        assert volume["secret"]["items"] == [{"key": f"group-{group}", "path": "secret"}]
+    # Its values appear in no Event and nowhere in status.
+    values = list(secret["data"].values())
+    said = repr(client.events) + repr(client.objects[IC_PATH].get("status"))
+    assert not any(v in said for v in values)
+
+
+async def test_a_new_group_gets_a_key_and_running_groups_keep_theirs() -> None:
+    client = fake_with_cluster(replicas=2)
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    before = dict(client.objects[SECRET]["data"])
+    client.objects[IC_PATH]["spec"]["replicas"] = 3
+    await reconciler.reconcile("ns", "demo")
+    after = client.objects[SECRET]["data"]
+    assert sorted(after) == ["group-0", "group-1", "group-2"]
+    assert {k: after[k] for k in before} == before  # never rotated while their pods live
+    # A group restarted as a whole keeps its key too (no rotation: the choice documented).
+    for name in [n for n in pod_names(client) if n.startswith("demo-g0-")]:
+        del client.objects[PODS + name]
+    await reconciler.reconcile("ns", "demo")
+    assert client.objects[SECRET]["data"]["group-0"] == before["group-0"]
+
+
+async def test_a_secret_of_that_name_the_cluster_does_not_control_is_refused_and_no_pod_made() -> None:
+    client = fake_with_cluster()
+    client.objects[SECRET] = {
+        "metadata": {"name": "demo-group-secret", "namespace": "ns", "uid": "someone"},
+        "data": {"group-0": "QUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUE="},
+    }
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    assert pod_names(client) == []
+    assert degraded(client)["reason"] == "FailedCreate"
+    assert "secret demo-group-secret" in degraded(client)["message"]
+    assert "QUFB" not in repr(client.events)
+
+
+async def test_network_policies_follow_spec_network_policy() -> None:
+    client = fake_with_cluster(networkPolicy={"enabled": True, "clientPodSelector": {"app": "chat"}})
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    names = sorted(p[len(POLICIES) :] for p in client.objects if p.startswith(POLICIES))
+    assert names == ["demo-clients", "demo-ranks"]
+    ranks = client.objects[POLICIES + "demo-ranks"]
+    assert ranks["metadata"]["ownerReferences"][0]["uid"] == "ic-uid"
+    assert ranks["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/managed-by"] == "tessera-operator"
+    client.objects[IC_PATH]["spec"]["networkPolicy"] = {"enabled": True, "clientPodSelector": {"app": "web"}}
+    await reconciler.reconcile("ns", "demo")
+    peer = client.objects[POLICIES + "demo-clients"]["spec"]["ingress"][0]["from"][0]
+    assert peer == {"podSelector": {"matchLabels": {"app": "web"}}}
+    client.objects[IC_PATH]["spec"]["networkPolicy"] = {"enabled": False}
+    await reconciler.reconcile("ns", "demo")
+    assert not [p for p in client.objects if p.startswith(POLICIES)]

@@ -63,8 +63,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* What the operator does: watch its resources, own pods and Services (adopting the pods an
-orphaning delete left: patch), report status and Events, and set replicas through the scale
-subresource when a cluster autoscales (as the HPA would). */}}
+orphaning delete left: patch), each cluster's group Secret and NetworkPolicies, report status
+and Events, and set replicas through the scale subresource when a cluster autoscales (as the
+HPA would). */}}
 {{- define "tessera.rules" -}}
 - apiGroups: ["tessera.dev"]
   resources: ["inferenceclusters"]
@@ -87,4 +88,13 @@ subresource when a cluster autoscales (as the HPA would). */}}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch", "delete"]
+# Each cluster's Secret of group secrets (rank traffic): read, created, given new groups' keys.
+# No list or watch: the operator reads its own Secret by name and caches no Secret.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
+# spec.networkPolicy: the cluster's two NetworkPolicies.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["list", "create", "update", "delete"]
 {{- end -}}
