@@ -305,3 +305,20 @@ def test_the_waiting_room_is_finite_by_default(small_kv_server: ServerProcess) -
         waiting.close()
     assert "at most 2 sequences waiting" in small_kv_server.log_path.read_text()
     assert_still_serving(small_kv_server)
+
+
+def test_headers_larger_than_the_cap_are_431_and_disconnected(bounded_server: ServerProcess) -> None:
+    sock = connect(bounded_server)
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(40):  # 80 KB of headers, over the 64 KiB default, never ended
+            try:
+                sock.sendall(b"X-Filler: " + b"a" * 2038 + b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        response = read_response_head(sock, timeout=5)
+        assert response.startswith(b"HTTP/1.1 431 "), response
+        assert sock.recv(1) == b""
+    finally:
+        sock.close()
+    assert httpx.get(f"{bounded_server.base_url}/health", timeout=5).status_code == 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from tessera.engine.arg_utils import add_engine_args, parse_size
 from tessera.entrypoints.limits import add_limit_args
@@ -32,7 +33,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-waiting-requests",
-        type=_positive_int,
+        type=_non_negative_int,
         default=None,
         help="answer 503 + Retry-After when a request's sequences (prompts x n) would join more than this "
         "many waiting for the engine; a request is always admitted when none wait (default: the sequences "
@@ -45,14 +46,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, exclude=("model",))
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from exc
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)  # --max-waiting-requests 0: nothing may wait behind a waiting one
 
 
 def _positive_float(text: str) -> float:
