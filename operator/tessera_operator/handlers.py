@@ -11,17 +11,46 @@ garbage collector through ownerReferences.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
+import types
 from typing import Any
 
+import aiohttp
 import kopf
 
-from tessera_operator import api, webhook
+from tessera_operator import api, kube, webhook
 from tessera_operator.config import CONFIG
 from tessera_operator.kube import KubeClient
 from tessera_operator.ownedwatch import watch_owned
 from tessera_operator.reconcile import Reconciler
 from tessera_operator.workqueue import WorkQueue
+
+
+def decode_deep_json_in_kopf() -> None:
+    """kopf lists with aiohttp's `response.json()` and reads watch lines with `json.loads`, both of
+    which fail past about 1000 levels: one InferenceCluster with a deep free-form field (stored
+    with the webhook off; the API server takes 10000) would then fail every list and watch of its
+    namespace, and no cluster there would be reconciled again. Both decode with `kube.loads`."""
+    from kopf._cogs.clients import api as kopf_api
+
+    if getattr(aiohttp.ClientResponse.json, "_tessera", False):
+        return
+    plain = aiohttp.ClientResponse.json
+
+    @functools.wraps(plain)
+    async def response_json(self: aiohttp.ClientResponse, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("loads", kube.loads)
+        return await plain(self, *args, **kwargs)
+
+    response_json._tessera = True  # type: ignore[attr-defined]
+    aiohttp.ClientResponse.json = response_json  # type: ignore[method-assign]
+    decoder = types.SimpleNamespace(loads=kube.loads, dumps=json.dumps, JSONDecodeError=json.JSONDecodeError)
+    kopf_api.json = decoder  # type: ignore[assignment]
+
+
+decode_deep_json_in_kopf()
 
 if CONFIG.webhook_port is not None:  # `kopf run -m tessera_operator.handlers` configured by environment
     webhook.register()

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import ssl
+import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -25,6 +28,34 @@ USER_AGENT = f"tessera-operator/{version('tessera')}"
 
 
 TOKEN_RELOAD_S = 60.0
+log = logging.getLogger("tessera_operator.kube")
+
+# The API server's JSON decoder refuses objects nested deeper than this; Python's stops near its
+# recursion limit (1000). An object stored with a deep free-form field (written with the webhook
+# off) must still decode here, or it would fail every pass and every watch that lists it.
+MAX_DECODE_DEPTH = 10_000
+# Watch events this process could not decode, by watch (logged, skipped: the watch goes on).
+# The operator serves no metrics of its own: this counts them for logs and tests.
+UNDECODABLE: Counter[str] = Counter()
+
+
+def loads(text: str | bytes) -> Any:
+    """json.loads, also of values nested up to MAX_DECODE_DEPTH deep (the C decoder needs about
+    300 bytes of stack per level: 3 MB at most, within a thread's 8 MiB). The recursion limit is
+    raised only while that one value decodes, so any recursive walk of it afterwards still stops
+    at the usual limit with a RecursionError, never a crash. ValueError when it cannot decode."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        pass
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, MAX_DECODE_DEPTH + 2000))
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {MAX_DECODE_DEPTH} levels") from None
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def _bearer_token(cfg: Any) -> str | None:
@@ -147,9 +178,9 @@ class KubeClient:
             ) as response:
                 text = await response.text()
                 if response.status < 400:
-                    return json.loads(text) if text else {}
+                    return loads(text) if text else {}
                 try:
-                    payload: dict[str, Any] | str = json.loads(text)
+                    payload: dict[str, Any] | str = loads(text)
                 except ValueError:
                     payload = text
                 if response.status in RETRYABLE and attempt < attempts - 1:
@@ -174,8 +205,18 @@ class KubeClient:
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
-                    if line.strip():
-                        yield json.loads(line)
+                    if not line.strip():
+                        continue
+                    try:
+                        event = loads(line)
+                    except ValueError as exc:  # one object we cannot read never stops the watch
+                        UNDECODABLE[path] += 1
+                        log.warning(
+                            "watch on %s: skipped an event it cannot decode (%s; %d so far)",
+                            path, exc, UNDECODABLE[path],
+                        )  # fmt: skip
+                        continue
+                    yield event
 
     async def get(self, path: str) -> dict[str, Any]:
         return await self.request("GET", path)

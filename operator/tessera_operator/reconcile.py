@@ -107,13 +107,23 @@ class Reconciler:
         now = self.clock()
 
         raw_spec = ic.get("spec") or {}
-        errors = validate_object(name, raw_spec, self.policy)
-        refused_pods = [] if errors else await self.pod_verdict(ref, raw_spec)
-        errors = errors or refused_pods
-        # A refused spec does not stop the cluster: its groups run and are repaired at the cap
-        # (too many replicas alone), or as the last accepted spec said.
-        capped = capped_spec(raw_spec, errors, self.policy)
-        fallback = capped or (self.last_accepted(previous) if errors else None)
+        try:  # pure: a spec the rules cannot even read is reported once, never retried in a loop
+            errors = validate_object(name, raw_spec, self.policy)
+            refused_pods = [] if errors else await self.pod_verdict(ref, raw_spec)
+            errors = errors or refused_pods
+            # A refused spec does not stop the cluster: its groups run and are repaired at the cap
+            # (too many replicas alone), or as the last accepted spec said.
+            capped = capped_spec(raw_spec, errors, self.policy)
+            fallback = capped or (self.last_accepted(previous) if errors else None)
+        except (TimeoutError, ApiError, OSError):
+            raise  # transient: the work queue's backoff
+        except Exception as exc:
+            log.error("%s/%s: cannot judge the spec: %s", namespace, name, type(exc).__name__)
+            message = f"the spec cannot be judged: {type(exc).__name__}: {str(exc)[:300]}"
+            await self.report(ic_path, ref, previous, degraded_status(
+                previous, generation, "InvalidSpec", message, now
+            ))  # fmt: skip
+            return self.resync_seconds
         problems = "; ".join(str(e) for e in errors)
         if errors and fallback is None:
             await self.report(ic_path, ref, previous, degraded_status(
@@ -219,8 +229,11 @@ class Reconciler:
         """The API server's dry-run verdict on the pods of a valid spec's revision: a spec whose
         pods it refuses is held like any invalid spec, its groups untouched. Pods it takes are
         taken for good (asked once per revision); a refusal is asked again after a resync."""
-        spec = InferenceClusterSpec.model_validate(raw_spec)  # valid: validate_object passed it
-        revision = builders.revision_of(spec)
+        try:
+            spec = InferenceClusterSpec.model_validate(raw_spec)  # valid: validate_object passed it
+            revision = builders.revision_of(spec)
+        except Exception:  # a build error: the plan below reports it (ReconcileError)
+            return []
         tick = self.monotonic()
         known = self._pod_verdicts.get(ref)
         if known is not None and known[0] == revision:

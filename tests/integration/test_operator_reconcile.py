@@ -73,6 +73,7 @@ def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_na
         assert services["smollm2"]["spec"]["selector"] == {
             "tessera.dev/cluster": "smollm2",
             "tessera.dev/role": "leader",
+            "app.kubernetes.io/managed-by": "tessera-operator",
         }
 
         # Running pods are not Ready: only the leader's readiness probe makes the group Ready.

@@ -785,3 +785,149 @@ async def test_network_policies_follow_spec_network_policy() -> None:
     client.objects[IC_PATH]["spec"]["networkPolicy"] = {"enabled": False}
     await reconciler.reconcile("ns", "demo")
     assert not [p for p in client.objects if p.startswith(POLICIES)]
+
+
+# --- issue 63: the owned-object watch resumes, backs off with jitter, lists again only on 410 ---
+
+
+class ScriptedWatchClient:
+    """list_object and watch answer from scripts; each watch call takes the next script."""
+
+    def __init__(self, watches: list[Any]) -> None:
+        self.watches = watches
+        self.lists = 0
+        self.watch_versions: list[str] = []
+
+    async def list_object(self, path: str, selector: str | None = None) -> dict[str, Any]:
+        self.lists += 1
+        return {"metadata": {"resourceVersion": f"L{self.lists}"}, "items": []}
+
+    async def watch(self, path: str, params: dict[str, str]) -> Any:
+        self.watch_versions.append(params["resourceVersion"])
+        if not self.watches:
+            raise asyncio.CancelledError
+        script = self.watches.pop(0)
+        if isinstance(script, BaseException):
+            raise script
+        for event in script:
+            yield event
+
+
+def pod_event(version: str) -> dict[str, Any]:
+    labels = {"tessera.dev/cluster": "demo"}
+    return {
+        "type": "MODIFIED",
+        "object": {"metadata": {"namespace": "ns", "labels": labels, "resourceVersion": version}},
+    }
+
+
+async def test_the_owned_watch_resumes_from_the_last_version_backs_off_and_lists_again_on_410() -> None:
+    from tessera_operator import ownedwatch
+
+    gone = {"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}
+    client = ScriptedWatchClient(
+        [
+            [pod_event("5"), pod_event("7")],  # the server ends the stream: resume from 7, no list
+            OSError("connection reset"),
+            OSError("connection reset"),
+            OSError("connection reset"),
+            [pod_event("9"), gone],  # expired: list again
+            [],  # ends at once with nothing: counts as a failure
+        ]
+    )
+    clock = itertools.count()
+    sleeps: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    seen: list[tuple[str, str]] = []
+    with pytest.raises(asyncio.CancelledError):
+        await ownedwatch.watch_owned(
+            client,  # type: ignore[arg-type]
+            "pods",
+            "ns",
+            lambda ns, c: seen.append((ns, c)),
+            sleep=sleep,
+            rand=lambda: 1.0,
+            monotonic=lambda: next(clock) * 0.1,
+        )
+    assert client.lists == 2  # the first listing, and once after the 410
+    assert client.watch_versions == ["L1", "7", "7", "7", "7", "L2", "L2"]
+    assert sleeps == [0.5, 1.0, 2.0, 1.0]  # exponential; the 410 lists again at once, its next failure waits
+    assert seen == [("ns", "demo")] * 3
+    # Jitter: half of each wait is random, and waits stop growing at the cap.
+    assert ownedwatch.backoff_delay(3, lambda: 0.0) == 1.0
+    assert ownedwatch.backoff_delay(50, lambda: 1.0) == ownedwatch.BACKOFF_MAX_SECONDS
+
+
+# --- issue 63: a spec the model cannot read, decoded however deep it is ---
+
+
+def nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+async def test_a_spec_1500_levels_deep_is_degraded_once_and_never_raises() -> None:
+    client = fake_with_cluster()
+    client.objects[IC_PATH]["spec"]["template"] = {"affinity": nested(1500)}
+    plain_get = client.get
+
+    async def get(path: str) -> dict[str, Any]:  # the fake's deepcopy could not copy it either
+        obj = client.objects.get(path)
+        return (
+            {**obj, "metadata": dict(obj["metadata"])} if path == IC_PATH and obj else await plain_get(path)
+        )
+
+    client.get = get  # type: ignore[method-assign]
+    reconciler = Reconciler(client, resync_seconds=5, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    for _ in range(3):  # every pass: the same condition, no exception, no new Event
+        await reconciler.reconcile("ns", "demo")
+    assert degraded(client)["reason"] == "InvalidSpec"
+    assert "spec.template.affinity" in degraded(client)["message"]
+    assert [e["reason"] for e in client.events] == ["InvalidSpec"]
+    assert pod_names(client) == []
+
+
+async def test_an_exception_while_judging_the_spec_is_reported_not_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tessera_operator import reconcile
+
+    def broken(*_: Any) -> Any:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(reconcile, "validate_object", broken)
+    client = fake_with_cluster()
+    reconciler = Reconciler(client, resync_seconds=5, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    assert await reconciler.reconcile("ns", "demo") == 5
+    assert await reconciler.reconcile("ns", "demo") == 5
+    assert degraded(client)["reason"] == "InvalidSpec" and "RecursionError" in degraded(client)["message"]
+    assert len(client.events) == 1
+
+
+def test_api_answers_decode_however_deep_the_api_server_stores_them_and_kopf_too() -> None:
+    import json
+    import sys
+
+    from kopf._cogs.clients import api as kopf_api
+
+    from tessera_operator import handlers, kube
+
+    text = '{"a":' * 1500 + "{}" + "}" * 1500
+    with pytest.raises(RecursionError):
+        json.loads(text)
+    limit = sys.getrecursionlimit()
+    value = kube.loads(text)
+    assert sys.getrecursionlimit() == limit  # raised only while it decoded
+    assert isinstance(value, dict) and "a" in value
+    with pytest.raises(ValueError, match="deeper than"):
+        kube.loads('{"a":' * 20000 + "{}" + "}" * 20000)
+    handlers.decode_deep_json_in_kopf()
+    assert kopf_api.json.loads(text.encode().decode()) is not None  # kopf's watch lines
+    import aiohttp
+
+    assert getattr(aiohttp.ClientResponse.json, "_tessera", False)  # kopf's lists
