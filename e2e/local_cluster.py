@@ -39,7 +39,7 @@ import yaml
 
 from e2e import podnet
 from e2e.node_objects import node_object, node_ready_status
-from e2e.pki import Pki, client_subject
+from e2e.pki import WEBHOOK_CLIENT_NAME, Pki, client_subject
 from tessera.ports import free_port
 
 INSTALL_SCRIPT = Path(__file__).with_name("install_k8s.sh")
@@ -125,6 +125,8 @@ class LocalCluster:
         self.etcd_url = f"https://127.0.0.1:{free_port()}"
         self.kubeconfig = str(self.workdir / "admin.kubeconfig")
         self.ca_file = str(self.workdir / "pki" / "ca.crt")
+        # The API server presents a client certificate of this CA and name to admission webhooks.
+        self.webhook_client_ca, self.webhook_client_name = self.ca_file, WEBHOOK_CLIENT_NAME
         self._pki: Pki | None = None
         self._ssl = ssl.create_default_context()
 
@@ -370,6 +372,7 @@ class LocalCluster:
                 f"--tls-private-key-file={pki.server_key}",
                 f"--client-ca-file={pki.ca_cert}",
                 f"--token-auth-file={self.workdir / 'tokens.csv'}",
+                f"--admission-control-config-file={self._write_admission_config()}",
                 f"--service-account-key-file={pki.sa_pub}",
                 f"--service-account-signing-key-file={pki.sa_key}",
                 "--service-account-issuer=https://kubernetes.default.svc",
@@ -381,6 +384,34 @@ class LocalCluster:
                 "--v=1",
             ],
         )
+
+    def _write_admission_config(self) -> Path:
+        """Webhooks get the API server's client certificate (`users: [{name: "*"}]`: every webhook),
+        as a platform team configures it for webhooks that authenticate their caller."""
+        assert self._pki is not None
+        credentials = self.workdir / "webhook-client.kubeconfig"
+        user = {"client-certificate": str(self._pki.webhook_client_cert)}
+        user["client-key"] = str(self._pki.webhook_client_key)
+        credentials.write_text(
+            yaml.safe_dump({"apiVersion": "v1", "kind": "Config", "users": [{"name": "*", "user": user}]})
+        )
+        webhook = {
+            "apiVersion": "apiserver.config.k8s.io/v1",
+            "kind": "WebhookAdmissionConfiguration",
+            "kubeConfigFile": str(credentials),
+        }
+        plugins = ("ValidatingAdmissionWebhook", "MutatingAdmissionWebhook")
+        config = self.workdir / "admission.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "apiserver.config.k8s.io/v1",
+                    "kind": "AdmissionConfiguration",
+                    "plugins": [{"name": name, "configuration": webhook} for name in plugins],
+                }
+            )
+        )
+        return config
 
     def _start_controller_manager(self, kubeconfig: str) -> None:
         assert self._pki is not None

@@ -20,6 +20,9 @@ SERVER_SANS = (
     "DNS:kubernetes.default.svc",
     "DNS:kubernetes.default.svc.cluster.local",
 )
+# The name in the client certificate the API server presents to admission webhooks (through its
+# AdmissionConfiguration's kubeConfig): the operator's webhook takes reviews from this name only.
+WEBHOOK_CLIENT_NAME = "kube-apiserver-webhook-client"
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -49,6 +52,14 @@ class Pki:
         return self.directory / "apiserver.key"
 
     @property
+    def webhook_client_cert(self) -> Path:
+        return self.directory / "apiserver-webhook-client.crt"
+
+    @property
+    def webhook_client_key(self) -> Path:
+        return self.directory / "apiserver-webhook-client.key"
+
+    @property
     def sa_key(self) -> Path:
         return self.directory / "sa.key"
 
@@ -66,6 +77,7 @@ class Pki:
             "-keyout", pki.ca_key.name, "-out", pki.ca_cert.name, cwd=directory,
         )  # fmt: skip
         pki.issue("apiserver", "/CN=kube-apiserver", usage="serverAuth", sans=SERVER_SANS)
+        pki.issue("apiserver-webhook-client", f"/CN={WEBHOOK_CLIENT_NAME}", usage="clientAuth")
         _openssl(
             "genpkey",
             "-algorithm",

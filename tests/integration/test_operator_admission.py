@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import ssl
 import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,6 +94,66 @@ def test_examples_pass_server_side_validation(crds: Any, k8s_namespace: str) -> 
         crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(ROOT / "examples" / example))
 
 
+WEBHOOK_VALUES = (
+    "--set",
+    "webhook.enabled=true",
+    "--set",
+    "webhook.clientAuth.names={kube-apiserver-webhook-client}",
+)
+
+
+def deep_manifest(levels: int) -> str:
+    """An object whose spec.template.affinity nests `levels` objects deep (JSON written as text:
+    Python's own encoder gives up at about 1000 levels)."""
+    affinity = '{"a":' * (levels - 1) + "{}" + "}" * (levels - 1)
+    return (
+        '{"apiVersion": "tessera.dev/v1alpha1", "kind": "InferenceCluster", "metadata": {"name": "deep"}, '
+        '"spec": {"model": {"source": "smollm2-135m-instruct"}, "template": {"affinity": ' + affinity + "}}}"
+    )
+
+
+def deep_review(ns: str, levels: int) -> bytes:
+    review = json.dumps(admission_review(ns))
+    marker = '"template": {}'
+    head = review.replace('"spec": {', '"spec": {"template": {}, ', 1)
+    affinity = '{"a":' * (levels - 1) + "{}" + "}" * (levels - 1)
+    return head.replace(marker, '"template": {"affinity": ' + affinity + "}", 1).encode()
+
+
+def admission_review(ns: str) -> dict[str, Any]:
+    obj = yaml.safe_load(manifest())
+    obj["metadata"]["namespace"] = ns
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "forged",
+            "operation": "CREATE",
+            "namespace": ns,
+            "userInfo": {"username": "intruder"},
+            "resource": {"group": "tessera.dev", "version": "v1alpha1", "resource": "inferenceclusters"},
+            "object": obj,
+        },
+    }
+
+
+def post_review(port: int, body: bytes, pair: tuple[str, str] | None) -> tuple[int, str]:
+    """A review POSTed straight at the webhook, as any pod could; the server's certificate is not
+    what this checks (it is self-signed), the client's is."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    if pair is not None:
+        context.load_cert_chain(*pair)
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{port}/tessera-validate", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def other_webhook_configuration(name: str) -> str:
     return yaml.safe_dump(
         {
@@ -108,11 +173,13 @@ def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_name
     args = (
         "--webhook-port", str(port), "--webhook-addr", "127.0.0.1", "--webhook-host", "127.0.0.1",
         "--webhook-managed", config_name,
+        # The local API server presents this client certificate to webhooks (e2e/local_cluster.py).
+        "--webhook-client-ca", cluster.webhook_client_ca, "--webhook-client-names", cluster.webhook_client_name,
     )  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=other_webhook_configuration(other))
     try:
         with running_operator(
-            cluster, ns, *args, rbac_extra=("--set", "webhook.enabled=true"), templates=("webhook.yaml",)
+            cluster, ns, *args, rbac_extra=WEBHOOK_VALUES, templates=("webhook.yaml",)
         ) as operator:
             live = wait_for(
                 lambda: kjson(cluster, "get", "validatingwebhookconfiguration", config_name).get("webhooks"),
@@ -187,6 +254,28 @@ def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_name
                 check=False,
             )
             assert r.returncode != 0 and "forbidden" in r.stderr.lower(), r.stderr
+            # Nobody but the API server gets a review judged: without a client certificate the TLS
+            # handshake fails; with one the same cluster CA signed (the operator's own), 403.
+            review = json.dumps(admission_review(ns)).encode()
+            with pytest.raises(OSError):
+                post_review(port, review, None)
+            credentials = yaml.safe_load(Path(operator.kubeconfig).read_text())["users"][0]["user"]
+            pair = (credentials["client-certificate"], credentials["client-key"])
+            assert post_review(port, review, pair)[0] == 403
+            # Free-form fields nested too deep, sent with the API server's own client certificate
+            # (kube-apiserver 1.20 itself times out storing such an object, 34 s, so kubectl cannot
+            # bring one here): at 300 levels denied naming the field, at 1500 (past Python's JSON
+            # decoder) still denied, never a crash.
+            pki = Path(cluster.webhook_client_ca).parent
+            api_server = (
+                str(pki / "apiserver-webhook-client.crt"),
+                str(pki / "apiserver-webhook-client.key"),
+            )
+            for levels, said in ((300, "spec.template.affinity"), (1500, "nests too deeply to be judged")):
+                status, text = post_review(port, deep_review(ns, levels), api_server)
+                answer = json.loads(text)["response"]
+                assert status == 200 and answer["allowed"] is False, text[-2000:]
+                assert said in answer["status"]["message"] and "may nest at most 32 levels" in text
         # Stopped: like kopf, it leaves no webhook behind that nothing serves.
         assert not kjson(cluster, "get", "validatingwebhookconfiguration", config_name).get("webhooks")
     finally:
@@ -223,8 +312,7 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
             ns,
             "--set",
             f"watch.namespaces={{{ns}}}",
-            "--set",
-            "webhook.enabled=true",
+            *WEBHOOK_VALUES,
         ],
         capture_output=True,
         text=True,

@@ -17,13 +17,21 @@ HELM = default_bin_dir() / "helm"
 pytestmark = pytest.mark.skipif(not HELM.exists(), reason="helm not installed (make k8s)")
 
 
+# The name of the API server's webhook client certificate (a webhook needs one, or `insecure`).
+CLIENT_NAMES = "webhook.clientAuth.names={kube-apiserver-webhook-client}"
+
+
 def render(
-    *sets: str, release: str = "rel", namespace: str = "ops", values: Path | None = None
+    *sets: str,
+    release: str = "rel",
+    namespace: str = "ops",
+    values: Path | None = None,
+    client_auth: bool = True,
 ) -> list[dict[str, Any]]:
     args = [str(HELM), "template", release, str(CHART), "-n", namespace, "--include-crds"]
     if values is not None:
         args += ["-f", str(values)]
-    for value in sets:
+    for value in (CLIENT_NAMES, *sets) if client_auth else sets:
         args += ["--set", value]
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
@@ -248,3 +256,55 @@ def test_the_operator_refuses_to_start_without_a_scope(monkeypatch: pytest.Monke
     monkeypatch.setattr(cli.CONFIG, "namespaces", [])
     with pytest.raises(SystemExit, match="-n NAMESPACE"):
         cli.main([])
+
+
+def container_args(docs: list[dict[str, Any]]) -> list[str]:
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    return list(deploy["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def test_the_webhook_takes_reviews_only_from_the_api_servers_client_certificate() -> None:
+    """By default the cluster CA (the ServiceAccount's ca.crt) and the names given; the chart
+    refuses a webhook that would take reviews from anyone unless told so by name."""
+    args = container_args(render("webhook.enabled=true"))
+    assert "--webhook-client-ca=/var/run/secrets/kubernetes.io/serviceaccount/ca.crt" in args
+    assert "--webhook-client-names=kube-apiserver-webhook-client" in args
+    assert "--webhook-max-in-flight=4" in args and "--webhook-insecure-skip-client-auth" not in args
+    refused = subprocess.run(
+        [str(HELM), "template", "r", str(CHART), "--set", "webhook.enabled=true"],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode != 0 and "webhook.clientAuth.names" in refused.stderr
+    insecure = container_args(
+        render("webhook.enabled=true", "webhook.clientAuth.insecure=true", client_auth=False)
+    )
+    assert "--webhook-insecure-skip-client-auth" in insecure
+    assert not [a for a in insecure if a.startswith("--webhook-client-")]
+    assert not [a for a in container_args(render()) if a.startswith("--webhook")]  # webhook off
+
+
+def test_a_client_ca_bundle_is_mounted_from_a_config_map(tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"
+    pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+    values.write_text(yaml.safe_dump({"webhook": {"clientAuth": {"caBundle": pem}}}))
+    docs = render("webhook.enabled=true", "webhook.maxInFlight=2", values=values)
+    [config_map] = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert config_map["data"] == {"ca.crt": pem}
+    args = container_args(docs)
+    assert (
+        "--webhook-client-ca=/etc/tessera/webhook-client-ca/ca.crt" in args
+        and "--webhook-max-in-flight=2" in args
+    )
+    parsed = parse_args([a for a in args if a.startswith("--webhook-client-names")])
+    assert parsed.webhook_client_names == frozenset({"kube-apiserver-webhook-client"})
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deploy["spec"]["template"]["spec"]
+    assert {"name": "webhook-client-ca", "configMap": {"name": config_map["metadata"]["name"]}} in pod[
+        "volumes"
+    ]
+
+
+def test_control_plane_nodes_are_opened_by_a_pod_policy_value() -> None:
+    assert "--allow-control-plane" in container_args(render("podPolicy.allowControlPlane=true"))
+    assert "--allow-control-plane" not in container_args(render())
