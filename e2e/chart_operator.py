@@ -20,13 +20,19 @@ from typing import IO, Any
 import yaml
 
 from e2e.local_cluster import LocalCluster
+from e2e.pki import WEBHOOK_CLIENT_NAME
 from tessera.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "tessera"
 OPERATOR_BIN = Path(sys.executable).parent / "tessera-operator"
 RELEASE, NAMESPACE = "tessera", "tessera-system"
-CHART_VALUES = ("webhook.enabled=true", "watch.clusterWide=true")
+# The webhook takes reviews only with the API server's client certificate (docs/SECURITY.md).
+CHART_VALUES = (
+    "webhook.enabled=true",
+    "watch.clusterWide=true",
+    f"webhook.clientAuth.names={{{WEBHOOK_CLIENT_NAME}}}",
+)
 
 
 def render_chart(
@@ -44,14 +50,18 @@ def render_chart(
     return [doc for doc in yaml.safe_load_all(rendered) if doc]
 
 
-def host_args(chart_args: list[str], health_port: int, webhook_port: int, cert_dir: Path) -> list[str]:
-    """The chart's arguments, with the pod-network ones pointed at this host."""
+def host_args(
+    chart_args: list[str], health_port: int, webhook_port: int, cert_dir: Path, client_ca: str | None = None
+) -> list[str]:
+    """The chart's arguments, with the pod-network ones (and the pod's CA file) pointed at this host."""
     replaced = {
         "--liveness": f"http://127.0.0.1:{health_port}/healthz",
         "--webhook-port": str(webhook_port),
         "--webhook-host": "127.0.0.1",
         "--webhook-cert-dir": str(cert_dir),
     }
+    if client_ca is not None:
+        replaced["--webhook-client-ca"] = client_ca
     args = []
     for arg in chart_args:
         name = arg.split("=", 1)[0]
@@ -104,7 +114,7 @@ def start_chart_operator(
     health_port = free_port()
     cert_dir = workdir / "webhook-certs"
     cert_dir.mkdir(parents=True, exist_ok=True)
-    args = host_args(container["args"], health_port, free_port(), cert_dir)
+    args = host_args(container["args"], health_port, free_port(), cert_dir, cluster.webhook_client_ca)
     log_path = workdir / "operator.log"
     log: IO[bytes]
     with open(log_path, "ab") as log:

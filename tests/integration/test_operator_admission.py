@@ -333,7 +333,10 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
         assert can("watch", "inferenceclusters.tessera.dev", ns) and can("create", "events", ns)
         assert not can("create", "pods", "default")  # namespace-scoped install
         assert not can("delete", "inferenceclusters.tessera.dev", ns)
-        assert not can("create", "secrets", ns)
+        # Its one Secret of group secrets, by name: no list or watch of the namespace's Secrets.
+        assert can("create", "secrets", ns) and can("get", "secrets", ns)
+        assert not can("list", "secrets", ns) and not can("watch", "secrets", ns)
+        assert not can("delete", "secrets", ns)
         own = f"validatingwebhookconfigurations/{release}-operator-{ns}.tessera.dev"
         assert can("patch", own, ns) and not can("delete", own, ns)
         assert not can("patch", "validatingwebhookconfigurations/someone-elses", ns)
