@@ -27,9 +27,9 @@ def test_prompt_logprob_entries_count_prompts_positions_logprobs_and_n() -> None
 @pytest.mark.parametrize(
     ("ready_info", "expected"),
     [
-        ({"num_kv_blocks": 1000, "block_size": 16}, 125),  # 16,000 tokens / 128 per sequence
-        ({"num_kv_blocks": 10, "block_size": 16}, 8),  # never below --max-num-seqs
-        ({}, 8),  # a core that does not report its cache
+        ({"num_kv_blocks": 1000, "block_size": 16}, 500),  # 4 x 16,000 tokens / 128 per sequence
+        ({"num_kv_blocks": 10, "block_size": 16}, 32),  # never below 4 x --max-num-seqs
+        ({}, 32),  # a core that does not report its cache
     ],
 )
 def test_default_waiting_room_is_the_kv_capacity_in_full_sequences(

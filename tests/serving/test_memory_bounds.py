@@ -265,7 +265,7 @@ def small_kv_server(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """A KV cache that holds two full-context sequences, one running at a time, and no
-    --max-waiting-requests: the waiting room's default is derived from the KV capacity (2)."""
+    --max-waiting-requests: the waiting room's default is derived from the KV capacity (4 x 2)."""
     log = tmp_path_factory.mktemp("small-kv-server") / "server.log"
     args = ["--max-model-len", str(CONTEXT), "--num-kv-blocks", str(2 * CONTEXT // 16), "--max-num-seqs", "1"]
     proc = ServerProcess(tiny_llama_dir, *args, api_key=None, log=log)
@@ -296,14 +296,14 @@ def test_the_waiting_room_is_finite_by_default(small_kv_server: ServerProcess) -
         assert time.monotonic() < deadline, "the second request never showed up as waiting"
         time.sleep(0.1)
     try:
-        body = {"model": MODEL_NAME, "prompt": "a", "n": 2, "max_tokens": 2}
+        body = {"model": MODEL_NAME, "prompt": ["a"] * 8, "max_tokens": 2}  # 1 + 8 > 8
         response = httpx.post(f"{base}/v1/completions", json=body, timeout=20)
         error = assert_openai_error(response, 503)
-        assert "limit 2" in error["message"], error
+        assert "limit 8" in error["message"], error
     finally:
         running.close()
         waiting.close()
-    assert "at most 2 sequences waiting" in small_kv_server.log_path.read_text()
+    assert "at most 8 sequences waiting" in small_kv_server.log_path.read_text()
     assert_still_serving(small_kv_server)
 
 

@@ -36,9 +36,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=None,
         help="answer 503 + Retry-After when a request's sequences (prompts x n) would join more than this "
-        "many waiting for the engine; a request is always admitted when none wait (default: the sequences "
-        "the KV cache holds at full context length, num_kv_blocks x block_size / max_model_len, at least "
-        "--max-num-seqs)",
+        "many waiting for the engine; a request is always admitted when none wait (default: 4 x the "
+        "sequences the KV cache holds at full context length, num_kv_blocks x block_size / max_model_len, "
+        "or 4 x --max-num-seqs when that is more)",
     )
     add_http_args(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

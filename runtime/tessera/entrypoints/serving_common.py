@@ -203,12 +203,17 @@ class ServingContext:
             )
 
 
+# Queued requests hold only their prompts: room for a few KV caches' worth of sequences lets a
+# queue build for the autoscaler to read (queue depth) while still bounding what one client queues.
+WAITING_ROOM_PER_CAPACITY = 4
+
+
 def default_max_waiting_requests(engine: AsyncLLM) -> int:
-    """--max-waiting-requests when not given: the sequences the KV cache holds at full context
-    length (num_kv_blocks x block_size / max_model_len), at least --max-num-seqs: as many as could
-    run at once, so one client cannot queue without bound."""
+    """--max-waiting-requests when not given: WAITING_ROOM_PER_CAPACITY times the sequences the
+    KV cache holds at full context length (num_kv_blocks x block_size / max_model_len), or times
+    --max-num-seqs when that is more, so one client cannot queue without bound."""
     capacity = engine.kv_capacity_sequences
-    return max(engine.config.max_num_seqs, capacity or 0)
+    return WAITING_ROOM_PER_CAPACITY * max(engine.config.max_num_seqs, capacity or 0)
 
 
 async def listen_for_disconnect(request: Request) -> None:
