@@ -484,18 +484,22 @@ class Reconciler:
                 self._policy_version = "v1beta1"
         return self._policy_version
 
+    async def read_owned(self, path: str, what: str) -> dict[str, Any] | None:
+        """One object the cluster keeps, or None where there is none; a refused read is reported."""
+        try:
+            return dict(await self.client.get(path))
+        except ApiError as exc:
+            if exc.status != 404:
+                raise refusal(FAILED_CREATE, f"reading {what}", exc) from exc
+            return None
+
     async def ensure_disruption_budget(
         self, ref: builders.ClusterRef, spec: InferenceClusterSpec, surge_groups: int
     ) -> None:
         version = await self.policy_version()
         path = custom_path("policy", version, ref.namespace, "poddisruptionbudgets")
         desired = builders.build_disruption_budget(ref, spec, f"policy/{version}", surge_groups)
-        try:
-            current = await self.client.get(f"{path}/{ref.name}")
-        except ApiError as exc:
-            if exc.status != 404:
-                raise refusal(FAILED_CREATE, f"reading poddisruptionbudget {ref.name}", exc) from exc
-            current = None
+        current = await self.read_owned(f"{path}/{ref.name}", f"poddisruptionbudget {ref.name}")
         orphaned = current is not None and is_orphaned(current, ref.name)
         if current is not None and not orphaned and not controlled_by(current, ref.uid):
             if desired is None:
@@ -524,12 +528,7 @@ class Reconciler:
         Values never reach a log, an Event or status: messages name the Secret and keys only."""
         name = naming.group_secret_name(ref.name)
         path = core_path(ref.namespace, "secrets")
-        try:
-            current = await self.client.get(f"{path}/{name}")
-        except ApiError as exc:
-            if exc.status != 404:
-                raise refusal(FAILED_CREATE, f"reading secret {name}", exc) from exc
-            current = None
+        current = await self.read_owned(f"{path}/{name}", f"secret {name}")
         if current is None:
             body = builders.build_group_secret(ref, builders.missing_group_keys({}, groups))
             if not await self.create(path, body):
