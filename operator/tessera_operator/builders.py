@@ -48,8 +48,13 @@ GROUP_SECRET_MODE = 0o400
 # Fields whose change alters pods (and so starts a rolling update); replicas, rollout,
 # restartPolicy and autoscaling do not.
 POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement")
-# Longer than the leader's graceful shutdown (5 s in the API server), shorter than the pod's grace.
-WORKER_DRAIN_SECONDS = 8
+# A deleted leader keeps accepting this long before its SIGTERM: until then its Endpoints still
+# list it (the endpoints controller, then kube-proxy, take a moment to drop a terminating pod), and
+# a leader that stopped listening at once would refuse the connections still sent to it.
+LEADER_DEREGISTER_SECONDS = 5
+# The leader's deregistration, then its graceful shutdown (5 s in the API server); shorter than
+# the pod's grace.
+WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + 8
 # Where the runtime writes (emptyDirs; the root filesystem is read-only). The user's env or
 # volumeMounts may point any of them elsewhere, e.g. TESSERA_CACHE at a persistent volume.
 WRITABLE_ENV = {"TESSERA_CACHE": naming.CACHE_DIR, "TMPDIR": naming.TMP_DIR, "HOME": naming.TMP_DIR}
@@ -381,11 +386,12 @@ def build_pod(
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    if not leader:
-        # When a group is deleted (rollout, scale-in) every pod gets SIGTERM at once: the leader
-        # then finishes its in-flight requests (uvicorn's graceful shutdown) while the workers
-        # keep computing for them, instead of failing them by exiting first.
-        container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(WORKER_DRAIN_SECONDS)]}}}
+    # When a group is deleted (rollout, scale-in) every pod is told at once: the leader serves
+    # on until no Service sends it new connections, then finishes its in-flight requests
+    # (uvicorn's graceful shutdown) while the workers keep computing for them, instead of
+    # failing them by exiting first.
+    drain = LEADER_DEREGISTER_SECONDS if leader else WORKER_DRAIN_SECONDS
+    container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(drain)]}}}
     if leader:
         ports.append({"name": "http", "containerPort": topology.api_port, "protocol": "TCP"})
         # The runtime answers /health only after rendezvous and a warm-up forward pass: this probe

@@ -7,6 +7,7 @@ short header and body deadlines, and a small stream backlog, so each bound shows
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import selectors
@@ -318,7 +319,9 @@ def test_headers_larger_than_the_cap_are_431_and_disconnected(bounded_server: Se
                 break
         response = read_response_head(sock, timeout=5)
         assert response.startswith(b"HTTP/1.1 431 "), response
-        assert sock.recv(1) == b""
+        # Disconnected: a close, or a reset where the refused headers were still unread.
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(1) == b""
     finally:
         sock.close()
     assert httpx.get(f"{bounded_server.base_url}/health", timeout=5).status_code == 200
