@@ -188,14 +188,14 @@ KERNEL_SETTINGS = ("TESSERA_GEMM_BACKEND", "TESSERA_CPU_KERNELS", "TESSERA_CPU_I
 
 def environment_info() -> dict[str, Any]:
     """What a reader needs to compare two result files: hardware, threads, versions, revision."""
-    from tessera import kernels
+    from tessera import host
 
     return {
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "platform": platform.platform(),
-        "cpu_model": kernels.cpu_model(),
-        "cpu_flags": sorted(kernels.cpu_flags()),
+        "cpu_model": host.cpu_model(),
+        "cpu_flags": sorted(host.cpu_flags()),
         "cpu_count_host": os.cpu_count(),
         "cpu_count_available": available_cores(),
         "torch_num_threads": torch.get_num_threads(),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera import kernels
+from tessera import host, kernels
 from tessera.kernels import isa
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the variants are x86's")
@@ -36,7 +36,7 @@ KERNEL_TESTS = (
     "tests/kernels/test_gemm_selection.py",
     "tests/models/test_decoder_stack.py",
 )
-RUNNABLE = isa.runnable_variants(kernels.cpu_flags())
+RUNNABLE = isa.runnable_variants(host.cpu_flags())
 # The most capable variant this CPU runs is what -march=native builds (the suite runs it).
 LESSER_VARIANTS = RUNNABLE[1:]
 MISSING_VARIANTS = [name for name in isa.ISA_VARIANTS if name not in RUNNABLE]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera import cli, kernels
+from tessera import cli, host, kernels
 from tessera.kernels import gemm_selection
 from tessera.models.layers.activation import silu_and_mul
 
@@ -44,7 +44,7 @@ def test_the_report_lists_every_recorded_verdict_with_its_scores(
     chosen_swiglu = gemm_selection.selected_backend(gate_up, (8, 64), swiglu=silu_and_mul)
 
     report = report_json(capsys)
-    assert report["cpu_model"] == kernels.cpu_model() and report["build_key"] == kernels.build_key()
+    assert report["cpu_model"] == host.cpu_model() and report["build_key"] == kernels.build_key()
     assert report["build"] in {"built", "prebuilt", "disabled"}  # the selection above loaded the build
     assert report["backends"]["float32"] == [b.name for b in gemm_selection.candidates(linear)]
     by_shape = {(v["out_features"], v["layer"]): v for v in report["verdicts"]}

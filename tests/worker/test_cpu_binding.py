@@ -84,22 +84,23 @@ def test_a_containers_cpu_limit_caps_the_default_threads(tmp_path, monkeypatch: 
     """A pod limited to a few CPUs sees every core of its node: its threads follow the limit."""
     from pathlib import Path
 
-    from tessera.worker import cpu_binding, worker
+    from tessera import host
+    from tessera.worker import worker
 
     v2 = tmp_path / "v2"
     v2.mkdir()
     (v2 / "cpu.max").write_text("250000 100000\n")  # 2.5 CPUs: 2 threads never throttle
-    assert cpu_binding.cgroup_cpu_limit(v2) == 2
+    assert host.cgroup_cpu_limit(v2) == 2
     (v2 / "cpu.max").write_text("max 100000\n")
-    assert cpu_binding.cgroup_cpu_limit(v2) is None
+    assert host.cgroup_cpu_limit(v2) is None
     v1 = tmp_path / "v1" / "cpu"
     v1.mkdir(parents=True)
     (v1 / "cpu.cfs_quota_us").write_text("50000\n")
     (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    assert cpu_binding.cgroup_cpu_limit(v1.parent) == 1  # half a CPU still runs one thread
+    assert host.cgroup_cpu_limit(v1.parent) == 1  # half a CPU still runs one thread
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
-    assert cpu_binding.cgroup_cpu_limit(v1.parent) is None
-    assert cpu_binding.cgroup_cpu_limit(Path(tmp_path / "none")) is None
+    assert host.cgroup_cpu_limit(v1.parent) is None
+    assert host.cgroup_cpu_limit(Path(tmp_path / "none")) is None
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(worker, "PROCESS_CPUS", frozenset(range(64)))

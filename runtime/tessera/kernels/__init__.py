@@ -25,7 +25,6 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
-import platform
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from types import ModuleType
 
 import torch
 
+from tessera import host
 from tessera.kernels import isa
 
 logger = logging.getLogger(__name__)
@@ -48,49 +48,12 @@ BUILD_LOCK = ".tessera-build.lock"
 LAYOUT = b"staged-sources-1"
 
 
-@functools.cache  # read at import and for the build key; /proc/cpuinfo of a big node is large
-def _cpu_features() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cpu_flags() -> frozenset[str]:
-    return frozenset(_cpu_features().partition(":")[2].split())
-
-
-def _cpuinfo_field(name: str) -> str | None:
-    """The first processor's ``name`` field in ``/proc/cpuinfo``, or None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == name:
-                return value.strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model() -> str:
-    """The model name, with family/model/stepping: a VM may only say "AMD EPYC", and the
-    numbers tell Milan (family 25 model 1) from Genoa (family 25 model 17)."""
-    name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
-    ids = [_cpuinfo_field(field) for field in ("cpu family", "model", "stepping")]
-    if all(ids):
-        name += f" (family {ids[0]} model {ids[1]} stepping {ids[2]})"
-    return name
-
-
 def compile_flags(march: list[str]) -> list[str]:
     return ["-O3", *march, "-mprefer-vector-width=512", "-fopenmp", "-std=c++17"]
 
 
 # A TESSERA_CPU_ISA this CPU cannot run is refused here, before anything is built.
-CFLAGS = compile_flags(isa.march_flags(isa.requested_variant(), cpu_flags()))
+CFLAGS = compile_flags(isa.march_flags(isa.requested_variant(), host.cpu_flags()))
 
 
 @functools.cache  # read for every weight's GEMM verdict
@@ -101,7 +64,7 @@ def build_key() -> str:
         *(path.read_bytes() for path in sorted(CSRC.iterdir())),
         torch.__version__.encode(),
         " ".join(CFLAGS).encode(),
-        _cpu_features().encode(),
+        host.cpu_features().encode(),
         LAYOUT,
     ):
         digest.update(part)
@@ -110,13 +73,11 @@ def build_key() -> str:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("TESSERA_CACHE", Path.home() / ".cache" / "tessera")) / "kernels"
+    return host.cache_root() / "kernels"
 
 
 def _prebuilt_extension(key: str) -> Path:
-    from tessera.models.registry import prebuilt_cache_root
-
-    return prebuilt_cache_root() / "kernels" / key / f"{_module_name(key)}.so"
+    return host.prebuilt_cache_root() / "kernels" / key / f"{_module_name(key)}.so"
 
 
 def _load_prebuilt(key: str) -> ModuleType | None:

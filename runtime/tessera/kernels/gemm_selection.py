@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 
+from tessera import host
 from tessera.kernels import _cache_root, build_key, native_ops
 from tessera.kernels.gemm import BACKENDS, GemmBackend, PackedWeight, SwiGLUProduct, candidates
-from tessera.worker.cpu_binding import PROCESS_CPUS
 
 logger = logging.getLogger(__name__)
 
@@ -115,18 +115,18 @@ class _ContentionMeter:
     threads leave free; this process's own threads only ever run on those CPUs."""
 
     def __enter__(self) -> _ContentionMeter:
-        self._busy = _busy_seconds(PROCESS_CPUS)
+        self._busy = _busy_seconds(host.PROCESS_CPUS)
         self._own, self._wall = time.process_time(), time.perf_counter()
         self.cpus = 0.0
         return self
 
     def __exit__(self, *exc: object) -> None:
-        busy = _busy_seconds(PROCESS_CPUS)
+        busy = _busy_seconds(host.PROCESS_CPUS)
         if busy is None or self._busy is None:
             return  # nothing to judge by
         wall = max(time.perf_counter() - self._wall, 1e-9)
         others = (busy - self._busy) - (time.process_time() - self._own)
-        spare = max(len(PROCESS_CPUS) - torch.get_num_threads(), 0)
+        spare = max(len(host.PROCESS_CPUS) - torch.get_num_threads(), 0)
         self.cpus = max(others / wall - spare, 0.0)
 
 
@@ -190,9 +190,7 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def prebuilt_selection_path() -> Path:
-    from tessera.models.registry import prebuilt_cache_root
-
-    return prebuilt_cache_root() / "kernels" / build_key() / SELECTION_FILE
+    return host.prebuilt_cache_root() / "kernels" / build_key() / SELECTION_FILE
 
 
 def recorded_selections_by_source() -> dict[str, dict[str, Any]]:

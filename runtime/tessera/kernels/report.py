@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from tessera import kernels
+from tessera import host, kernels
 from tessera.kernels import gemm, gemm_selection, isa
-from tessera.worker.cpu_binding import PROCESS_CPUS
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -73,10 +72,10 @@ def kernel_report() -> dict[str, Any]:
     state, extension = kernels.build_state()
     variant = isa.requested_variant()
     report: dict[str, Any] = {
-        "cpu_model": kernels.cpu_model(),
-        "process_cpus": len(PROCESS_CPUS),
+        "cpu_model": host.cpu_model(),
+        "process_cpus": len(host.PROCESS_CPUS),
         "isa_variant": variant or isa.NATIVE,
-        "isa_variants_runnable": isa.runnable_variants(kernels.cpu_flags()),
+        "isa_variants_runnable": isa.runnable_variants(host.cpu_flags()),
         "compile_flags": kernels.CFLAGS,
         "build_key": kernels.build_key(),
         "build": state,

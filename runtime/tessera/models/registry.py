@@ -11,12 +11,12 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import logging
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tessera.host import cache_root, prebuilt_cache_root
 from tessera.models.conversion import convert_gguf_once, is_complete
 
 logger = logging.getLogger(__name__)
@@ -44,20 +44,6 @@ ALIASES: dict[str, PypiGgufAlias] = {
 
 class ModelReferenceError(ValueError):
     """A model reference that is neither a known alias, a Hugging Face folder, nor a .gguf file."""
-
-
-def cache_root() -> Path:
-    """``$TESSERA_CACHE`` or ``~/.cache/tessera``: converted models live under ``models/``."""
-    return Path(os.environ.get("TESSERA_CACHE") or Path.home() / ".cache" / "tessera")
-
-
-# An image bakes conversions and kernels in here (read-only), so pods do not redo them on start.
-DEFAULT_PREBUILT_CACHE = "/opt/tessera/cache"
-
-
-def prebuilt_cache_root() -> Path:
-    """``$TESSERA_PREBUILT_CACHE`` or /opt/tessera/cache: a read-only cache consulted first."""
-    return Path(os.environ.get("TESSERA_PREBUILT_CACHE") or DEFAULT_PREBUILT_CACHE)
 
 
 def resolve_model(ref: str) -> Path:

@@ -17,40 +17,16 @@ merely sees all of a node's CPUs could be pinned on top of its neighbours, so it
 from __future__ import annotations
 
 import logging
-import os
 import re
-from pathlib import Path
 
 from tessera import config
+from tessera.host import PROCESS_CPUS
 
 logger = logging.getLogger(__name__)
 
 # Set by the entry points of Tessera's own processes: pinning there moves nobody else's threads.
 OWN_PROCESS = False
-# This process's CPUs, read before anything here pins a thread: pinning narrows the calling
-# thread's own mask, which a second engine in the same process would otherwise read.
-PROCESS_CPUS: frozenset[int] = frozenset(
-    os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-)
 CPU_LIST = re.compile(config.CPU_LIST)
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> int | None:
-    """Whole CPUs of this container's CPU limit (cgroup v2 `cpu.max`, v1 CFS quota), at least 1;
-    None when unlimited or unknown. A pod limited to 4 CPUs on a 64-core node still sees all 64
-    in its affinity mask, and 64 threads there would spend most of each period throttled."""
-    try:
-        if (root / "cpu.max").exists():
-            quota, period = (root / "cpu.max").read_text().split()[:2]
-        else:
-            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text().strip()
-            period = (root / "cpu" / "cpu.cfs_period_us").read_text().strip()
-        if quota in ("max", "-1"):
-            return None
-        return max(1, int(quota) // int(period))  # rounded down: a partial CPU would throttle a thread
-    except (OSError, ValueError):
-        return None
 
 
 def parse_cpus(text: str) -> list[int]:
