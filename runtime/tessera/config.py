@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tessera.engine.generation_config import parse_overrides
+from tessera.generation_config import parse_overrides
 from tessera.topology import ParallelLayout
 
 # A CPU list as taskset takes it: 0-3,8.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tessera.engine.messages import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SchedulerStats
+from tessera.wire.messages import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, SchedulerStats
 
 PREFIX = "tessera:"
 

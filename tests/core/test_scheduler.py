@@ -2,9 +2,9 @@
 
 from tessera.config import EngineConfig
 from tessera.core.request import Request
-from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.core.scheduler import Scheduler
 from tessera.sampling_params import SamplingParams
+from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
 
 
 def make_scheduler(num_blocks=64, **overrides) -> Scheduler:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tessera.core.request import Request, RequestRejected
-from tessera.core.sched_output import ModelRunnerOutput
-from tessera.engine.messages import FINISH_ERROR, EngineCoreRequest
 from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import FINISH_ERROR, EngineCoreRequest
+from tessera.wire.sched_output import ModelRunnerOutput
 from tests.core.test_scheduler import add, make_scheduler, run_step
 
 

@@ -2,8 +2,8 @@
 requests, a request in flight is not scheduled again, and a stale output is never applied."""
 
 from tessera.config import EngineConfig
-from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.core.scheduler import Scheduler
+from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
 from tests.core.test_scheduler import add
 
 

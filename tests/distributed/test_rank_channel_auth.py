@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tessera.core.sched_output import ModelRunnerOutput
 from tessera.distributed import parallel_state, rpc
 from tessera.distributed.group_secret import (
     GroupKeys,
@@ -26,9 +25,10 @@ from tessera.distributed.group_secret import (
     read_group_secret,
     write_group_secret,
 )
-from tessera.engine import serialization
 from tessera.ports import free_port
 from tessera.topology import DEFAULT_GROUP_SECRET_FILE, GROUP_SECRET_FILE_ENV
+from tessera.wire import serialization
+from tessera.wire.sched_output import ModelRunnerOutput
 from tests.distributed.channel_peers import KEYS, OTHER_KEYS, rank_peer, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ import time
 import pytest
 import zmq
 
-from tessera.core.sched_output import ModelRunnerOutput
 from tessera.distributed import rpc
-from tessera.engine import serialization
 from tessera.ports import free_port
+from tessera.wire import serialization
+from tessera.wire.sched_output import ModelRunnerOutput
 from tests.distributed.channel_peers import KEYS, rank_peer
 
 

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from tessera.config import EngineConfig
-from tessera.engine import core_proc, serialization
+from tessera.engine import core_proc
 from tessera.engine.core_client import EngineDeadError, SyncMPClient
-from tessera.engine.messages import EngineCoreOutputs
+from tessera.wire import serialization
+from tessera.wire.messages import EngineCoreOutputs
 from tests.distributed.test_rank_faults import exited
 from tests.engine.test_wire_decoding import nested_extensions
 from tests.serving.fake_core import FakeEngineCore

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tessera import LLM, SamplingParams
-from tessera.engine.generation_config import eos_token_ids
-from tessera.engine.messages import SchedulerStats
+from tessera.generation_config import eos_token_ids
+from tessera.wire.messages import SchedulerStats
 from tests.engine.reference import hf_greedy
 
 SHARED_PREFIX = (

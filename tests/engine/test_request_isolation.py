@@ -15,8 +15,8 @@ from tessera.config import EngineConfig
 from tessera.core.request import Request, RequestRejected, RequestStatus
 from tessera.engine.core import EngineCore
 from tessera.engine.core_client import SyncMPClient
-from tessera.engine.messages import FINISH_ERROR, EngineCoreOutput, EngineCoreRequest
 from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import FINISH_ERROR, EngineCoreOutput, EngineCoreRequest
 from tessera.worker.sampler import SamplingMetadata
 
 VICTIM = "victim"

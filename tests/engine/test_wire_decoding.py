@@ -9,8 +9,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from tessera.engine import serialization
-from tessera.engine.messages import EngineCoreHeartbeat, TokenLogprobs
+from tessera.wire import serialization
+from tessera.wire.messages import EngineCoreHeartbeat, TokenLogprobs
 
 
 def nested_extensions(levels: int) -> bytes:
@@ -23,7 +23,7 @@ def nested_extensions(levels: int) -> bytes:
 def test_deeply_nested_extensions_are_refused_without_crashing_the_process() -> None:
     # Used to recurse through msgpack's C unpacker and the ext hook until the process segfaulted.
     script = (
-        "from tessera.engine import serialization\n"
+        "from tessera.wire import serialization\n"
         "from tests.engine.test_wire_decoding import nested_extensions\n"
         "try:\n"
         "    serialization.decode(nested_extensions(200))\n"

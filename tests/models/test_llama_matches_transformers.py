@@ -125,7 +125,7 @@ def test_model_interface(tiny_llama_dir: Path) -> None:
 @pytest.mark.parametrize("folder_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_pipeline_stages_chain_to_the_full_model(folder_fixture: str, request: pytest.FixtureRequest) -> None:
     """Untied (llama) and tied (qwen2: the last stage's LM head loads the embedding matrix)."""
-    from tessera.models.intermediate_tensors import IntermediateTensors
+    from tessera.distributed.intermediate_tensors import IntermediateTensors
     from tests.models.paged_harness import PagedDriver
 
     tiny_llama_dir = request.getfixturevalue(folder_fixture)

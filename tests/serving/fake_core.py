@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from tessera.config import EngineConfig
-from tessera.engine.messages import (
+from tessera.wire.messages import (
     FINISH_LENGTH,
     EngineCoreOutput,
     EngineCoreOutputs,

@@ -9,8 +9,8 @@ import pytest
 
 from tessera.config import EngineConfig
 from tessera.engine.core_client import AsyncMPClient, EngineDeadError, SyncMPClient
-from tessera.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import EngineCoreOutputs, EngineCoreRequest
 from tests.serving.fake_core import CRASH_TOKEN, FakeEngineCore
 
 CONFIG = EngineConfig(model="fake")

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tessera.engine.arg_utils import add_engine_args, engine_cli_args, engine_config_from_args
-from tessera.engine.generation_config import SamplingDefaults, load_sampling_defaults
+from tessera.generation_config import SamplingDefaults, load_sampling_defaults
 from tests.serving.server import MODEL_NAME, ServerProcess
 
 GREEDY_THREE = {"temperature": 0.0, "max_new_tokens": 3, "do_sample": True}  # do_sample: not vLLM's to apply

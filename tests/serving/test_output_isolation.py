@@ -8,10 +8,10 @@ import pytest
 
 from tessera.engine.detokenizer import IncrementalDetokenizer
 from tessera.engine.errors import RequestFailedError
-from tessera.engine.messages import FINISH_LENGTH, EngineCoreOutput, EngineCoreOutputs
 from tessera.engine.output_processor import FINISH_ERROR, OutputProcessor, RequestOutputKind
 from tessera.engine.processor import InputProcessor
 from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import FINISH_LENGTH, EngineCoreOutput, EngineCoreOutputs
 from tests.fixtures.models import make_tokenizer
 
 FAIL_STOP = "<fail>"

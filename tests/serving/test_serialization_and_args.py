@@ -7,18 +7,18 @@ import argparse
 import msgpack
 import pytest
 
-from tessera.engine import serialization
 from tessera.engine.arg_utils import add_engine_args, engine_config_from_args, parse_size
-from tessera.engine.generation_config import SamplingDefaults
-from tessera.engine.messages import (
+from tessera.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from tessera.generation_config import SamplingDefaults
+from tessera.sampling_params import InvalidParameterError, SamplingParams
+from tessera.wire import serialization
+from tessera.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
     TokenLogprobs,
 )
-from tessera.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from tessera.sampling_params import InvalidParameterError, SamplingParams
 
 NO_DEFAULTS = SamplingDefaults()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.core.sched_output import ScheduledRequest
+from tessera.wire.sched_output import ScheduledRequest
 from tessera.worker.model_runner import step_inputs
 
 

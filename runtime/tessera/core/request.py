@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from tessera.engine.messages import (
+from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
@@ -12,7 +13,6 @@ from tessera.engine.messages import (
     EngineCoreRequest,
     TokenLogprobs,
 )
-from tessera.sampling_params import SamplingParams
 
 
 class RequestRejected(ValueError):

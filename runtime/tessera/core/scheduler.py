@@ -16,8 +16,8 @@ from collections import deque
 from tessera.config import EngineConfig
 from tessera.core.kv_cache_manager import KVCacheManager
 from tessera.core.request import Request, RequestRejected, RequestStatus
-from tessera.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-from tessera.engine.messages import EngineCoreOutput, PromptLogprobs, SchedulerStats
+from tessera.wire.messages import EngineCoreOutput, PromptLogprobs, SchedulerStats
+from tessera.wire.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

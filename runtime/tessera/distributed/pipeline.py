@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tessera.distributed.communication import COMM_STATS
+from tessera.distributed.intermediate_tensors import IntermediateTensors
 from tessera.distributed.parallel_state import get_pipeline_peers
-from tessera.models.intermediate_tensors import IntermediateTensors
 
 TENSOR_NAMES = ("hidden_states", "residual")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

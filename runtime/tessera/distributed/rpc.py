@@ -38,11 +38,11 @@ from typing import Any
 import zmq
 from zmq.utils.z85 import decode as z85_decode
 
-from tessera.core.sched_output import ModelRunnerOutput
 from tessera.distributed.group_secret import GroupKeys
-from tessera.engine import serialization
 from tessera.sampling_params import MAX_LOGPROBS
 from tessera.topology import GROUP_SECRET_FILE_ENV
+from tessera.wire import serialization
+from tessera.wire.sched_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

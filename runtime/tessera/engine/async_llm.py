@@ -31,7 +31,6 @@ from typing import Any, TypeVar
 
 from tessera.config import EngineConfig
 from tessera.engine.core_client import AsyncMPClient, EngineDeadError
-from tessera.engine.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
 from tessera.engine.output_processor import FINISH_ERROR, OutputProcessor, RequestOutputKind
 from tessera.engine.processor import InputProcessor, load_tokenizer
 from tessera.engine.token_bytes import TokenBytes
@@ -39,6 +38,7 @@ from tessera.metrics import EngineMetrics
 from tessera.models.registry import resolve_model
 from tessera.outputs import RequestOutput
 from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

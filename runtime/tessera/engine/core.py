@@ -17,13 +17,13 @@ from concurrent.futures import Future
 
 from tessera.config import EngineConfig
 from tessera.core.request import Request, RequestRejected
-from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.core.scheduler import Scheduler
-from tessera.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tessera.engine.processor import model_vocab_size
 from tessera.executor import make_executor
 from tessera.models.registry import resolve_model
 from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
 
 WARM_UP_REQUEST_ID = "tessera-warm-up"
 

@@ -28,7 +28,6 @@ from typing import Any
 import zmq
 
 from tessera.config import EngineConfig
-from tessera.engine import serialization
 from tessera.engine.core_proc import (
     ABORT,
     ADD,
@@ -41,7 +40,8 @@ from tessera.engine.core_proc import (
     run_engine_core,
     set_max_message_size,
 )
-from tessera.engine.messages import EngineCoreHeartbeat, EngineCoreOutputs, EngineCoreRequest
+from tessera.wire import serialization
+from tessera.wire.messages import EngineCoreHeartbeat, EngineCoreOutputs, EngineCoreRequest
 from tessera.worker.worker_proc import LOCAL_STARTUP_TIMEOUT_S, RANK_STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ import zmq
 
 from tessera.config import EngineConfig
 from tessera.core.request import RequestRejected
-from tessera.engine import serialization
-from tessera.engine.messages import (
+from tessera.wire import serialization
+from tessera.wire.messages import (
     FINISH_ERROR,
     EngineCoreHeartbeat,
     EngineCoreOutput,

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 
 from tessera.engine.detokenizer import IncrementalDetokenizer, decode
 from tessera.engine.errors import RequestFailedError
-from tessera.engine.messages import (
+from tessera.outputs import CompletionOutput, Logprob, RequestOutput
+from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import (
     FINISH_ERROR,
     FINISH_STOP,
     EngineCoreOutput,
@@ -20,8 +22,6 @@ from tessera.engine.messages import (
     EngineCoreRequest,
     TokenLogprobs,
 )
-from tessera.outputs import CompletionOutput, Logprob, RequestOutput
-from tessera.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only a type: transformers takes seconds to import, so it loads with the tokenizer
     from transformers import PreTrainedTokenizerBase

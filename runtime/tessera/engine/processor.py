@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tessera.config import EngineConfig
-from tessera.engine.generation_config import SamplingDefaults, eos_token_ids, load_sampling_defaults
-from tessera.engine.messages import EngineCoreRequest
+from tessera.generation_config import SamplingDefaults, eos_token_ids, load_sampling_defaults
 from tessera.models.hf_config import load_hf_config
 from tessera.sampling_params import InvalidParameterError, SamplingParams
+from tessera.wire.messages import EngineCoreRequest
 
 if TYPE_CHECKING:  # only a type: transformers takes seconds to import, so it loads with the tokenizer
     from transformers import PreTrainedTokenizerBase

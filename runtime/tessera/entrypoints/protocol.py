@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from tessera.engine.generation_config import SamplingDefaults
+from tessera.generation_config import SamplingDefaults
 from tessera.sampling_params import MAX_LOGPROBS, MAX_N, InvalidParameterError, SamplingParams
 
 INT32 = 2**31 - 1

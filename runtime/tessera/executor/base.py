@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from tessera.config import EngineConfig
-from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.worker.memory_profile import profile_batch
 from tessera.worker.worker import STEP_TIMEOUT_S
 

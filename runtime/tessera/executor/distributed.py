@@ -36,12 +36,12 @@ from typing import Any
 import zmq
 
 from tessera.config import EngineConfig
-from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.distributed import rpc
 from tessera.distributed.group_secret import GroupKeys, read_group_secret, secret_file, write_group_secret
 from tessera.executor.base import Executor, ExecutorFailedError
 from tessera.ports import free_port
 from tessera.topology import GROUP_SECRET_FILE_ENV, Topology
+from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.worker.worker import STEP_TIMEOUT_S
 from tessera.worker.worker_proc import (
     LOCAL_RANK_ENV,

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import EngineConfig
-from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.executor.base import Executor
+from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.worker.worker import Worker
 
 

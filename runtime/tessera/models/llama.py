@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from tessera.distributed.communication import padded_rows, tp_all_gather
+from tessera.distributed.intermediate_tensors import IntermediateTensors
 from tessera.models.checkpoint import CheckpointTensor
-from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
 from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tessera.models.layers.linear import QKVParallelLinear, RowParallelLinear, SiluGatedLinear, copy_checked

@@ -19,10 +19,10 @@ import torch
 
 from tessera.config import EngineConfig
 from tessera.core.request import Request
-from tessera.core.sched_output import SchedulerOutput
 from tessera.core.scheduler import Scheduler
-from tessera.engine.messages import EngineCoreRequest
 from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import EngineCoreRequest
+from tessera.wire.sched_output import SchedulerOutput
 
 PROFILE_REQUEST_PREFIX = "tessera-memory-profile-"
 # The torch attention path gathers a decode batch's context of one layer at a time into a

@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 
 from tessera.config import EngineConfig
-from tessera.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tessera.engine.messages import PromptLogprobs, TokenLogprobs
-from tessera.models.intermediate_tensors import IntermediateTensors
+from tessera.distributed.intermediate_tensors import IntermediateTensors
 from tessera.models.layers.attention import AttentionMetadata
 from tessera.models.loader import load_model
 from tessera.sampling_params import SamplingParams
 from tessera.topology import Topology
+from tessera.wire.messages import PromptLogprobs, TokenLogprobs
+from tessera.wire.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tessera.worker.memory_profile import CudaMemory, DeviceMemory, MemoryProfile, kv_cache_budget
 from tessera.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, logprobs_of
 

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 
 from tessera.config import EngineConfig
-from tessera.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.distributed import pipeline
 from tessera.distributed.communication import COMM_STATS
 from tessera.distributed.group_secret import GroupKeys
+from tessera.distributed.intermediate_tensors import IntermediateTensors
 from tessera.distributed.parallel_state import destroy_distributed, init_distributed
 from tessera.host import PROCESS_CPUS, cgroup_cpu_limit
-from tessera.models.intermediate_tensors import IntermediateTensors
 from tessera.models.registry import resolve_model
 from tessera.topology import Topology
+from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
 from tessera.worker.cpu_binding import bind_threads
 from tessera.worker.cpu_memory import retain_freed_memory
 from tessera.worker.model_runner import ModelRunner

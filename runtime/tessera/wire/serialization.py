@@ -17,8 +17,8 @@ from typing import Any
 
 import msgpack
 
-from tessera.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-from tessera.engine.messages import (
+from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import (
     EngineCoreHeartbeat,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -27,7 +27,7 @@ from tessera.engine.messages import (
     SchedulerStats,
     TokenLogprobs,
 )
-from tessera.sampling_params import SamplingParams
+from tessera.wire.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 _EXT_DATACLASS = 1
 # Containers and messages nest a few levels in practice; anything deeper is an attack or a bug.

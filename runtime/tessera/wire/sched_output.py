@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tessera.engine.messages import PromptLogprobs, TokenLogprobs
 from tessera.sampling_params import SamplingParams
+from tessera.wire.messages import PromptLogprobs, TokenLogprobs
 
 
 @dataclass
