@@ -15,11 +15,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import yaml
 
-from e2e.local_cluster import LocalCluster
 from e2e.pki import WEBHOOK_CLIENT_NAME
 from tessera.ports import free_port
 
@@ -35,8 +34,30 @@ CHART_VALUES = (
 )
 
 
+class Cluster(Protocol):
+    """What the operator is installed into, as this module uses it. e2e.local_cluster.LocalCluster
+    is one; it is not imported here because its `up --operator` imports this module."""
+
+    @property
+    def bin_dir(self) -> Path: ...
+
+    @property
+    def env(self) -> dict[str, str]: ...
+
+    @property
+    def webhook_client_ca(self) -> str: ...
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]: ...
+
+    def user_kubeconfig(self, user: str) -> str: ...
+
+    def api(self, method: str, path: str) -> Any: ...
+
+
 def render_chart(
-    cluster: LocalCluster, release: str = RELEASE, namespace: str = NAMESPACE
+    cluster: Cluster, release: str = RELEASE, namespace: str = NAMESPACE
 ) -> list[dict[str, Any]]:
     helm = str(cluster.bin_dir / "helm")
     values = [arg for value in CHART_VALUES for arg in ("--set", value)]
@@ -97,7 +118,7 @@ class ChartOperator:
 
 
 def start_chart_operator(
-    cluster: LocalCluster, workdir: Path, detached: bool = False, timeout: float = 90.0
+    cluster: Cluster, workdir: Path, detached: bool = False, timeout: float = 90.0
 ) -> ChartOperator:
     """Applies the chart's objects and starts the operator; returns once its health check passes
     and its webhook is registered (so the first `kubectl apply` is already validated)."""
@@ -137,7 +158,7 @@ def start_chart_operator(
     return operator
 
 
-def _webhook_registered(cluster: LocalCluster, name: str) -> bool:
+def _webhook_registered(cluster: Cluster, name: str) -> bool:
     config = cluster.api(
         "GET", f"/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/{name}"
     )

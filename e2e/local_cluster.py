@@ -38,6 +38,7 @@ from typing import Any
 import yaml
 
 from e2e import podnet
+from e2e.chart_operator import start_chart_operator
 from e2e.node_objects import node_object, node_ready_status
 from e2e.pki import WEBHOOK_CLIENT_NAME, Pki, client_subject
 from tessera.ports import free_port
@@ -553,8 +554,6 @@ def _run_in_foreground(args: argparse.Namespace) -> int:
             stopping.callback(pointer_file().unlink, missing_ok=True)
         operator = None
         if args.operator:
-            from e2e.chart_operator import start_chart_operator  # it builds on this module
-
             operator = start_chart_operator(cluster, cluster.workdir)
             stopping.callback(operator.stop)  # before the cluster, and if a later step fails
         urls = {
