@@ -35,10 +35,13 @@ demo-down: $(STAMP)
 prebuild: $(STAMP)
 	$(PY) images/prebuild_cache.py
 
+# lint-imports checks pyproject.toml's [tool.importlinter] contracts: imports only go down the
+# layers, and no module's imports lead back to it (the graph builds in a second: no cache).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check runtime operator tests e2e benchmarks images
 	$(VENV)/bin/ruff format --check runtime operator tests e2e benchmarks images
 	$(VENV)/bin/mypy runtime/tessera operator/tessera_operator
+	$(VENV)/bin/lint-imports --no-cache
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format runtime operator tests e2e benchmarks images
