@@ -52,8 +52,9 @@ k8s: $(STAMP)
 
 # The race against vLLM's CPU backend (benchmarks/README.md), offline and through the servers,
 # after the GEMM backends on the model's shapes (what the kernel selection chose from here):
-# about 21 minutes on 2 cores (vLLM's venv is installed on first use). BENCH_TAG=genoa writes
-# benchmarks/results/*_genoa.{json,png} instead of the files kept for the reference machine.
+# about 21 minutes on 2 cores (vLLM's venv is installed on first use). Writes
+# benchmarks/results/<benchmark>_<machine kind>.{json,png}, the kind read from the CPU
+# (milan, genoa, turin, icelake, xeon_amx); BENCH_TAG=x names it x instead.
 bench: $(STAMP)
 	TESSERA_BENCH_TAG=$(BENCH_TAG) $(PY) benchmarks/gemm_backends.py
 	TESSERA_BENCH_TAG=$(BENCH_TAG) $(PY) benchmarks/offline_throughput.py --batch-sizes 64

@@ -7,7 +7,7 @@ With the operator configured as the Helm chart does (webhook on), it measures:
   * a rollout (an engine setting changed) of 2 groups of pipeline 2 x tensor 1: its duration and
     the requests served (and failed) meanwhile by a client calling the Service non-stop.
 
-Writes benchmarks/results/cluster_timings.json and a PNG timeline of the three phases.
+Writes benchmarks/results/cluster_timings_<machine kind>.json and a PNG timeline of the three phases.
 
     sudo .venv/bin/python benchmarks/cluster_timings.py
 """

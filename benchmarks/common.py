@@ -1,8 +1,9 @@
 """Helpers every benchmark shares: where results go, what machine produced them, its matmul peak.
 
 A result is one JSON file (numbers + the environment that produced them) and one PNG plot
-with the same stem in ``benchmarks/results/``; ``TESSERA_BENCH_TAG=milan`` appends ``_milan``
-to the stem, so a run on another machine kind sits beside the results already kept.
+with the same stem in ``benchmarks/results/``: ``<benchmark>_<machine kind>``, the kind read from
+this CPU (``machine_kind``) unless ``TESSERA_BENCH_TAG`` names it, so each machine kind keeps its
+latest run of each benchmark beside the other kinds'.
 """
 
 from __future__ import annotations
@@ -349,11 +350,32 @@ def measure_process_scaling(processes: int = 2, seconds: float = 5.0) -> dict[st
     }
 
 
+MACHINE_KINDS = ("milan", "genoa", "turin", "icelake", "xeon_amx")
+
+
+def machine_kind() -> str:
+    """This CPU's kind as the results name it (one of MACHINE_KINDS; ``other`` for a kind not
+    listed), from its vendor and flags: a VM may hide the model's name."""
+    from tessera import host
+
+    flags, model = host.cpu_flags(), host.cpu_model()
+    if "amx_tile" in flags:
+        return "xeon_amx"
+    if "AMD" in model:
+        if "avx512f" in flags:
+            return "turin" if "avx_vnni" in flags else "genoa"  # Zen 5 added AVX-VNNI, Zen 4 lacks it
+        return "milan" if "avx2" in flags else "other"
+    if "Intel" in model and "avx512f" in flags and "avx512_bf16" not in flags:
+        return "icelake"
+    return "other"
+
+
 def result_path(name: str, suffix: str) -> Path:
-    """``results/<name>[_<TESSERA_BENCH_TAG>]<suffix>``, its folder created."""
+    """``results/<name>_<machine kind><suffix>`` (the kind: ``TESSERA_BENCH_TAG`` if set and not
+    empty, else ``machine_kind()``), its folder created."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    tag = os.environ.get("TESSERA_BENCH_TAG", "")
-    return RESULTS_DIR / f"{name}{'_' + tag if tag else ''}{suffix}"
+    tag = os.environ.get("TESSERA_BENCH_TAG") or machine_kind()
+    return RESULTS_DIR / f"{name}_{tag}{suffix}"
 
 
 def write_json(name: str, data: dict[str, Any]) -> Path:
@@ -363,7 +385,7 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
 
 
 def save_figure(name: str, figure: Any) -> Path:
-    """Write a matplotlib figure as ``results/<name>.png`` (tagged like the JSON) and close it."""
+    """Write a matplotlib figure as ``results/<name>_<machine kind>.png`` (as the JSON) and close it."""
     import matplotlib.pyplot as plt
 
     path = result_path(name, ".png")

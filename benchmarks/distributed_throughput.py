@@ -18,7 +18,7 @@ PP=2 can reach at most 2x PP=1; the run also measures how much work two single-t
 get done together on this machine versus one alone (vCPUs may share a core or memory bandwidth).
 
 Run: ``.venv/bin/python benchmarks/distributed_throughput.py [--quick]``.
-Writes ``benchmarks/results/distributed_throughput.json`` and ``.png``.
+Writes ``benchmarks/results/distributed_throughput_<machine kind>.json`` and ``.png``.
 """
 
 from __future__ import annotations

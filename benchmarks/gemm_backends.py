@@ -18,7 +18,7 @@ as a model load would) and the machine's matmul peak are written beside the timi
 backends within one run: a shared machine's hours differ by 10-20%.
 
 Run: ``.venv/bin/python benchmarks/gemm_backends.py [--dtypes float32,bfloat16] [--rows 8,64,512,2048]``.
-Writes ``benchmarks/results/gemm_backends.json`` and ``.png`` (``TESSERA_BENCH_TAG`` tags them).
+Writes ``benchmarks/results/gemm_backends_<machine kind>.json`` and ``.png`` (``common.result_path``).
 """
 
 from __future__ import annotations

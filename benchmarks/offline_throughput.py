@@ -28,7 +28,7 @@ own requested tokens count as useful output, and the best batch size is reported
 
 Run: ``.venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--rounds 4] [--quick]``
 (``--quick``: 16 requests, batch sizes 8/16, 2 rounds unless ``--rounds`` says otherwise).
-Writes ``benchmarks/results/offline_throughput.json`` and ``.png`` (per dtype: ``rounds`` holds
+Writes ``benchmarks/results/offline_throughput_<machine kind>.json`` and ``.png`` (per dtype: ``rounds`` holds
 every round, ``tessera`` and ``vllm_cpu.runs`` the median rounds, ``tessera_vs_vllm`` the
 median ratio).
 """
@@ -599,6 +599,25 @@ def plot(name: str, runs: list[RunResult], ratios: dict[str, float], note: str =
     return save_figure(name, fig)
 
 
+STANDARD_NUM_REQUESTS, STANDARD_BATCH_SIZES = 64, [8, 16, 32, 64]
+
+
+def workload_suffix(
+    quick: bool, num_requests: int, dtypes: list[str], batch_sizes: list[int] | None = None
+) -> str:
+    """What sets a run apart from the standard workload, for its file name (``_quick``, ``_n16``,
+    ``_bs64``, ``_bf16``): only the standard workload writes the benchmark's own result file, and a
+    run of one dtype never overwrites a run of both. The number of rounds does not count."""
+    if quick:
+        return "_quick"
+    suffix = f"_n{num_requests}" if num_requests != STANDARD_NUM_REQUESTS else ""
+    if batch_sizes is not None and batch_sizes != STANDARD_BATCH_SIZES:
+        suffix += "_bs" + "-".join(map(str, batch_sizes))
+    if tuple(dtypes) != DTYPES:
+        suffix += "_" + "-".join(SHORT_DTYPE[d] for d in dtypes)
+    return suffix
+
+
 def parse_engine_args(pairs: list[str]) -> dict[str, Any]:
     args: dict[str, Any] = {}
     for pair in pairs:
@@ -656,17 +675,7 @@ def main() -> None:
     rounds = args.rounds if args.rounds is not None else 2 if args.quick else DEFAULT_ROUNDS
     if rounds < 1:
         parser.error("--rounds must be at least 1")
-    # Only the standard workload writes the canonical result file.
-    name = "offline_throughput"
-    if args.quick:
-        name += "_quick"
-    else:
-        if args.num_requests != 64:
-            name += f"_n{args.num_requests}"
-        if batch_sizes != [8, 16, 32, 64]:
-            name += "_bs" + "-".join(map(str, batch_sizes))
-        if tuple(args.dtypes) != DTYPES:
-            name += "_" + "-".join(SHORT_DTYPE[d] for d in args.dtypes)
+    name = "offline_throughput" + workload_suffix(args.quick, args.num_requests, args.dtypes, batch_sizes)
 
     from transformers import AutoConfig, AutoTokenizer
 

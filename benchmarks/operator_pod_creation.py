@@ -7,8 +7,8 @@ from `e2e/`), with the operator as a subprocess (`tessera-operator`), and measur
   * 100 such clusters applied at once (800 pods); target: under 30 s.
 
 Pod creations are timed from a watch on the API server (the moment each ADDED event
-arrives), not by polling. Writes benchmarks/results/operator_pod_creation.json + .png
-(tagged by TESSERA_BENCH_TAG, like every benchmark here).
+arrives), not by polling. Writes benchmarks/results/operator_pod_creation_<machine kind>.json + .png
+(named like every benchmark here: common.result_path).
 
     .venv/bin/python benchmarks/operator_pod_creation.py [--clusters 100]
 """

@@ -15,7 +15,7 @@ send to last completion. Target: serving loses at most 10% of the offline output
 The client runs on the same cores as the server; its CPU use is part of the measured overhead.
 
 Run: ``.venv/bin/python benchmarks/serving_overhead.py [--num-requests 64] [--quick]``.
-Writes ``benchmarks/results/serving_overhead.json`` and ``.png``.
+Writes ``benchmarks/results/serving_overhead_<machine kind>.json`` and ``.png``.
 """
 
 from __future__ import annotations

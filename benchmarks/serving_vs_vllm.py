@@ -24,7 +24,8 @@ other still runs and the error is recorded.
 
 Run: ``.venv/bin/python benchmarks/serving_vs_vllm.py [--quick] [--rounds 4] [--dtypes float32 bfloat16]``
 (``--quick``: 16 requests, fp32 only, 2 rounds unless ``--rounds`` says otherwise).
-Writes ``benchmarks/results/serving_vs_vllm.json`` and ``.png``.
+Writes ``benchmarks/results/serving_vs_vllm_<machine kind>.json`` and ``.png`` (a subset of dtypes, another
+request count or ``--quick`` adds a suffix before the kind, as in ``offline_throughput.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from offline_throughput import (
     Request,
     disjoint_workloads,
     peer_tuning,
+    workload_suffix,
 )
 from offline_throughput import vllm_environment as vllm_offline_environment
 from peers import VLLM_CPU, PeerStatus, ensure_peer
@@ -154,7 +156,7 @@ def start_server(
     return base_url, group
 
 
-def plot(results: dict[str, dict[str, dict[str, Any]]]) -> Path:
+def plot(name: str, results: dict[str, dict[str, dict[str, Any]]]) -> Path:
     fig, axes = new_figure(ncols=1 + len(LATENCIES), width=4.5)
     names = list(results)
     scenarios = sorted({s for runs in results.values() for s in runs})
@@ -168,7 +170,7 @@ def plot(results: dict[str, dict[str, dict[str, Any]]]) -> Path:
         ax.set_title(metric.replace("_", " "))
         ax.legend(fontsize=7)
     fig.suptitle("Serving, SmolLM2-135M: tessera serve vs vllm serve (CPU)")
-    return save_figure(NAME, fig)
+    return save_figure(name, fig)
 
 
 def main() -> None:
@@ -195,6 +197,7 @@ def main() -> None:
     rounds = args.rounds if args.rounds is not None else 2 if args.quick else DEFAULT_ROUNDS
     if rounds < 1:
         parser.error("--rounds must be at least 1")
+    name = NAME + workload_suffix(args.quick, args.num_requests, args.dtypes)
     exit_on_sigterm()
     hold_to_cpu_isa()
     threads = set_threads(args.threads)
@@ -323,7 +326,9 @@ def main() -> None:
         rate_ratio = values[rate_label]
         shown = "none (a server fell short)" if rate_ratio is None else f"{rate_ratio:.2f}x"
         print(f"{dtype} {rate_label}: Tessera / vLLM output throughput {shown}")
-    print(f"wrote {write_json(NAME, report)} and {plot(results) if results else '(no plot: nothing ran)'}")
+    print(
+        f"wrote {write_json(name, report)} and {plot(name, results) if results else '(no plot: nothing ran)'}"
+    )
 
 
 if __name__ == "__main__":
