@@ -9,9 +9,10 @@ from typing import Any
 
 import kopf
 
-from tessera_operator import handlers, webhook  # noqa: F401  (importing registers the kopf handlers)
+from tessera_operator.admission import webhook
+from tessera_operator.admission.podpolicy import PodPolicy
 from tessera_operator.config import CONFIG, label_selector, names
-from tessera_operator.podpolicy import PodPolicy
+from tessera_operator.reconcile import handlers  # noqa: F401  (importing registers the kopf handlers)
 
 
 def positive_int(text: str) -> int:

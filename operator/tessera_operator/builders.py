@@ -29,9 +29,7 @@ from tessera.topology import (
 )
 from tessera_operator import naming
 from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
-from tessera_operator.observe import GROUP_SIZE_ANNOTATION
 from tessera_operator.quantity import quantity_to_bytes
-from tessera_operator.validation import RESERVED_ENV
 
 CONTAINER_NAME = "rank"
 RUNTIME_UID = 1000
@@ -57,6 +55,8 @@ LEADER_DEREGISTER_SECONDS = 5
 WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + 8
 # Where the runtime writes (emptyDirs; the root filesystem is read-only). The user's env or
 # volumeMounts may point any of them elsewhere, e.g. TESSERA_CACHE at a persistent volume.
+# Variables the operator owns in every rank pod; the user's env must not shadow them.
+RESERVED_ENV = frozenset(Topology.model_validate({}).to_env()) | {"TESSERA_LAYER_PARTITION", "PYTHONHASHSEED"}
 WRITABLE_ENV = {"TESSERA_CACHE": naming.CACHE_DIR, "TMPDIR": naming.TMP_DIR, "HOME": naming.TMP_DIR}
 WRITABLE_VOLUMES: tuple[tuple[str, str, dict[str, str]], ...] = (
     # NCCL and gloo need more shared memory than the container runtime's 64 MiB default.
@@ -441,7 +441,7 @@ def build_pod(
             "name": name,
             "namespace": ref.namespace,
             "labels": {**template.labels, **pod_labels(ref, group, stage, tp_rank, revision)},
-            "annotations": {**template.annotations, GROUP_SIZE_ANNOTATION: str(topology.world_size)},
+            "annotations": {**template.annotations, naming.GROUP_SIZE_ANNOTATION: str(topology.world_size)},
             "ownerReferences": [owner_reference(ref)],
         },
         "spec": pod_spec,

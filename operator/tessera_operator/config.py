@@ -1,6 +1,6 @@
 """Operator settings: command-line flags of `tessera-operator`, or environment variables.
 
-The environment form serves `kopf run -m tessera_operator.handlers` and tests (short resyncs).
+The environment form serves `kopf run -m tessera_operator.reconcile.handlers` and tests (short resyncs).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera_operator.podpolicy import DEFAULT_MAX_PODS_PER_CLUSTER, PodPolicy
+from tessera_operator.admission.podpolicy import DEFAULT_MAX_PODS_PER_CLUSTER, PodPolicy
 
 
 def _float(name: str, default: float) -> float:

@@ -22,11 +22,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tessera_operator import api, autoscaler, builders, naming
+from tessera_operator import api, builders, naming
+from tessera_operator.admission.pod_dry_run import refused_pod_fields
+from tessera_operator.admission.podpolicy import PodPolicy
+from tessera_operator.admission.validation import capped_spec, validate_object, validate_spec
 from tessera_operator.api import AutoscalingStatus, InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
-from tessera_operator.observe import (
+from tessera_operator.reconcile.observe import (
     Observation,
     controlled_by,
     is_orphan,
@@ -34,15 +37,13 @@ from tessera_operator.observe import (
     observe,
     running_revisions,
 )
-from tessera_operator.planner import Event, plan
-from tessera_operator.pod_dry_run import refused_pod_fields
-from tessera_operator.podpolicy import PodPolicy
-from tessera_operator.queue_metrics import queue_depths
-from tessera_operator.status import build_status, degraded_status, intent_status, merge_patch
+from tessera_operator.reconcile.planner import Event, plan
+from tessera_operator.reconcile.status import build_status, degraded_status, intent_status, merge_patch
+from tessera_operator.scaling import autoscaler
+from tessera_operator.scaling.queue_metrics import queue_depths
 from tessera_operator.timeutil import to_rfc3339
-from tessera_operator.validation import capped_spec, validate_object, validate_spec
 
-log = logging.getLogger("tessera_operator.reconcile")
+log = logging.getLogger("tessera_operator.reconcile.reconciler")
 COMPONENT = "tessera-operator"
 FAILED_CREATE, FAILED_DELETE, FAILED_SCALE = "FailedCreate", "FailedDelete", "FailedScale"
 EVENT_COUNTS_KEPT = 4096

@@ -11,9 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera_operator.api import GroupStatus, InferenceClusterSpec
-from tessera_operator.observe import GroupObservation, Observation, is_disruption
-from tessera_operator.restart import record_disruption, record_failure, seconds_until_restart, settled
-from tessera_operator.rollout import GroupState, choose_replacements, surge_count
+from tessera_operator.reconcile.observe import GroupObservation, Observation, is_disruption
+from tessera_operator.reconcile.restart import (
+    record_disruption,
+    record_failure,
+    seconds_until_restart,
+    settled,
+)
+from tessera_operator.reconcile.rollout import GroupState, choose_replacements, surge_count
 from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 
 WAIT_FOR_DELETION_SECONDS = 1.0
