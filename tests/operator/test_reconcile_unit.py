@@ -13,7 +13,7 @@ import pytest
 from tessera_operator import builders
 from tessera_operator.admission.podpolicy import PodPolicy
 from tessera_operator.kube import ApiError
-from tessera_operator.reconcile.planner import Event
+from tessera_operator.reconcile.events import Event
 from tessera_operator.reconcile.reconciler import Reconciler
 from tests.operator.sim import spec_of
 

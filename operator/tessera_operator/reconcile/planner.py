@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera_operator.api import GroupStatus, InferenceClusterSpec
+from tessera_operator.reconcile.events import Event
 from tessera_operator.reconcile.observe import GroupObservation, Observation, is_disruption
 from tessera_operator.reconcile.restart import (
     record_disruption,
@@ -27,13 +28,6 @@ WAIT_FOR_DELETION_SECONDS = 1.0
 # (the replacement takes the same name, as a StatefulSet's does). Say so, and look less often.
 STUCK_TERMINATING_SECONDS = 60.0
 WAIT_FOR_STUCK_SECONDS = 15.0
-
-
-@dataclass
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
 
 
 @dataclass
