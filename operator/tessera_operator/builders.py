@@ -361,11 +361,31 @@ def build_pod(
     ref: ClusterRef, spec: InferenceClusterSpec, revision: str, group: int, stage: int, tp_rank: int
 ) -> dict[str, Any]:
     topology = topology_for(ref, spec, group, stage, tp_rank)
-    leader = topology.is_leader
     name = naming.pod_name(ref.name, group, stage, tp_rank)
     template = spec.template
-    command, args = container_command(spec, leader)
     volumes, mounts = volumes_for(spec, ref.name, group)
+    container = rank_container(spec, topology, mounts)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": ref.namespace,
+            "labels": {**template.labels, **pod_labels(ref, group, stage, tp_rank, revision)},
+            "annotations": {**template.annotations, naming.GROUP_SIZE_ANNOTATION: str(topology.world_size)},
+            "ownerReferences": [owner_reference(ref)],
+        },
+        "spec": rank_pod_spec(ref, spec, name, (group, stage), container, volumes),
+    }
+
+
+def rank_container(
+    spec: InferenceClusterSpec, topology: Topology, mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The one container of a rank pod: confined, its ports, and (the leader's) readiness probe."""
+    leader = topology.is_leader
+    template = spec.template
+    command, args = container_command(spec, leader)
     ports = [
         {"name": "dist", "containerPort": topology.dist_port, "protocol": "TCP"},
         {"name": "rpc", "containerPort": topology.rpc_port, "protocol": "TCP"},
@@ -402,6 +422,19 @@ def build_pod(
             "failureThreshold": 3,
             "timeoutSeconds": 3,
         }
+    return container
+
+
+def rank_pod_spec(
+    ref: ClusterRef,
+    spec: InferenceClusterSpec,
+    name: str,
+    place: tuple[int, int],  # (group, stage): the pod-affinity term's
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """A rank pod's spec: its stable DNS name, no API token, non-root, and the template's placement."""
+    template = spec.template
     pod_spec: dict[str, Any] = {
         "hostname": name,
         "subdomain": naming.headless_service_name(ref.name),
@@ -424,28 +457,17 @@ def build_pod(
     if template.node_selector:
         pod_spec["nodeSelector"] = dict(template.node_selector)
     if template.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": name} for name in template.image_pull_secrets]
+        pod_spec["imagePullSecrets"] = [{"name": secret} for secret in template.image_pull_secrets]
     if template.tolerations:
         pod_spec["tolerations"] = copy.deepcopy(template.tolerations)
-    affinity = affinity_for(spec, ref.name, group, stage)
+    affinity = affinity_for(spec, ref.name, *place)
     if affinity:
         pod_spec["affinity"] = affinity
     if template.service_account_name:
         pod_spec["serviceAccountName"] = template.service_account_name
     if template.priority_class_name:
         pod_spec["priorityClassName"] = template.priority_class_name
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": ref.namespace,
-            "labels": {**template.labels, **pod_labels(ref, group, stage, tp_rank, revision)},
-            "annotations": {**template.annotations, naming.GROUP_SIZE_ANNOTATION: str(topology.world_size)},
-            "ownerReferences": [owner_reference(ref)],
-        },
-        "spec": pod_spec,
-    }
+    return pod_spec
 
 
 def build_group(
