@@ -26,10 +26,10 @@ from pydantic import ValidationError
 
 from tessera_operator import api, builders, naming
 from tessera_operator.admission.pod_dry_run import refused_pod_fields
-from tessera_operator.admission.podpolicy import PodPolicy
 from tessera_operator.admission.validation import capped_spec, validate_object, validate_spec
 from tessera_operator.api import InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.builders import ClusterRef
+from tessera_operator.config import PodPolicy
 from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import ApiError, KubeClient, core_path, custom_path
 from tessera_operator.reconcile.events import Event, EventRecorder
