@@ -29,9 +29,7 @@ from tessera.topology import (
 )
 from tessera_operator import naming
 from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
-from tessera_operator.observe import GROUP_SIZE_ANNOTATION
 from tessera_operator.quantity import quantity_to_bytes
-from tessera_operator.validation import RESERVED_ENV
 
 CONTAINER_NAME = "rank"
 RUNTIME_UID = 1000
@@ -57,6 +55,8 @@ LEADER_DEREGISTER_SECONDS = 5
 WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + 8
 # Where the runtime writes (emptyDirs; the root filesystem is read-only). The user's env or
 # volumeMounts may point any of them elsewhere, e.g. TESSERA_CACHE at a persistent volume.
+# Variables the operator owns in every rank pod; the user's env must not shadow them.
+RESERVED_ENV = frozenset(Topology.model_validate({}).to_env()) | {"TESSERA_LAYER_PARTITION", "PYTHONHASHSEED"}
 WRITABLE_ENV = {"TESSERA_CACHE": naming.CACHE_DIR, "TMPDIR": naming.TMP_DIR, "HOME": naming.TMP_DIR}
 WRITABLE_VOLUMES: tuple[tuple[str, str, dict[str, str]], ...] = (
     # NCCL and gloo need more shared memory than the container runtime's 64 MiB default.
@@ -361,11 +361,31 @@ def build_pod(
     ref: ClusterRef, spec: InferenceClusterSpec, revision: str, group: int, stage: int, tp_rank: int
 ) -> dict[str, Any]:
     topology = topology_for(ref, spec, group, stage, tp_rank)
-    leader = topology.is_leader
     name = naming.pod_name(ref.name, group, stage, tp_rank)
     template = spec.template
-    command, args = container_command(spec, leader)
     volumes, mounts = volumes_for(spec, ref.name, group)
+    container = rank_container(spec, topology, mounts)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": ref.namespace,
+            "labels": {**template.labels, **pod_labels(ref, group, stage, tp_rank, revision)},
+            "annotations": {**template.annotations, naming.GROUP_SIZE_ANNOTATION: str(topology.world_size)},
+            "ownerReferences": [owner_reference(ref)],
+        },
+        "spec": rank_pod_spec(ref, spec, name, (group, stage), container, volumes),
+    }
+
+
+def rank_container(
+    spec: InferenceClusterSpec, topology: Topology, mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The one container of a rank pod: confined, its ports, and (the leader's) readiness probe."""
+    leader = topology.is_leader
+    template = spec.template
+    command, args = container_command(spec, leader)
     ports = [
         {"name": "dist", "containerPort": topology.dist_port, "protocol": "TCP"},
         {"name": "rpc", "containerPort": topology.rpc_port, "protocol": "TCP"},
@@ -402,6 +422,19 @@ def build_pod(
             "failureThreshold": 3,
             "timeoutSeconds": 3,
         }
+    return container
+
+
+def rank_pod_spec(
+    ref: ClusterRef,
+    spec: InferenceClusterSpec,
+    name: str,
+    place: tuple[int, int],  # (group, stage): the pod-affinity term's
+    container: dict[str, Any],
+    volumes: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """A rank pod's spec: its stable DNS name, no API token, non-root, and the template's placement."""
+    template = spec.template
     pod_spec: dict[str, Any] = {
         "hostname": name,
         "subdomain": naming.headless_service_name(ref.name),
@@ -424,28 +457,17 @@ def build_pod(
     if template.node_selector:
         pod_spec["nodeSelector"] = dict(template.node_selector)
     if template.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": name} for name in template.image_pull_secrets]
+        pod_spec["imagePullSecrets"] = [{"name": secret} for secret in template.image_pull_secrets]
     if template.tolerations:
         pod_spec["tolerations"] = copy.deepcopy(template.tolerations)
-    affinity = affinity_for(spec, ref.name, group, stage)
+    affinity = affinity_for(spec, ref.name, *place)
     if affinity:
         pod_spec["affinity"] = affinity
     if template.service_account_name:
         pod_spec["serviceAccountName"] = template.service_account_name
     if template.priority_class_name:
         pod_spec["priorityClassName"] = template.priority_class_name
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": ref.namespace,
-            "labels": {**template.labels, **pod_labels(ref, group, stage, tp_rank, revision)},
-            "annotations": {**template.annotations, GROUP_SIZE_ANNOTATION: str(topology.world_size)},
-            "ownerReferences": [owner_reference(ref)],
-        },
-        "spec": pod_spec,
-    }
+    return pod_spec
 
 
 def build_group(

@@ -11,6 +11,7 @@ STAGE_LABEL = "tessera.dev/stage"
 TP_RANK_LABEL = "tessera.dev/tp-rank"
 ROLE_LABEL = "tessera.dev/role"
 REVISION_LABEL = "tessera.dev/revision"
+GROUP_SIZE_ANNOTATION = "tessera.dev/group-size"  # pods in the group, on each of its pods
 MANAGED_BY = {"app.kubernetes.io/managed-by": "tessera-operator"}
 LEADER, WORKER = "leader", "worker"
 # Labels and annotations the operator writes on every pod; a spec cannot set keys of this form.

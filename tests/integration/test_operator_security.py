@@ -15,8 +15,8 @@ import yaml
 
 from tessera_operator.builders import ClusterRef
 from tessera_operator.kube import KubeClient
-from tessera_operator.planner import Event
-from tessera_operator.reconcile import Reconciler
+from tessera_operator.reconcile.events import Event
+from tessera_operator.reconcile.reconciler import Reconciler
 from tests.integration.operator_harness import (
     condition,
     ic,

@@ -10,9 +10,9 @@ from typing import Any
 
 from tessera_operator import builders
 from tessera_operator.api import InferenceClusterSpec, InferenceClusterStatus
-from tessera_operator.observe import observe, running_revisions
-from tessera_operator.planner import Plan, plan
-from tessera_operator.status import build_status
+from tessera_operator.reconcile.observe import observe, running_revisions
+from tessera_operator.reconcile.planner import Plan, plan
+from tessera_operator.reconcile.status import build_status
 
 REF = builders.ClusterRef("demo", "ns", "uid-1")
 

@@ -10,7 +10,7 @@ import yaml
 from lupa import lua51
 
 from tessera_operator.api import InferenceClusterStatus
-from tessera_operator.status import degraded_status
+from tessera_operator.reconcile.status import degraded_status
 from tests.operator.sim import Sim, spec_of
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "argocd" / "health-patch.yaml"

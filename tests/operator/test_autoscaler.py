@@ -13,9 +13,17 @@ import pytest
 from aiohttp import web
 
 from tessera_operator.api import AutoscalingSpec
-from tessera_operator.autoscaler import History, QueueSample, decide, parse_gauge, recommend, sample_of, seed
-from tessera_operator.queue_metrics import MAX_BODY_BYTES, metrics_url, queue_depths
-from tessera_operator.reconcile import Reconciler
+from tessera_operator.reconcile.reconciler import Reconciler
+from tessera_operator.scaling.autoscaler import (
+    History,
+    QueueSample,
+    decide,
+    parse_gauge,
+    recommend,
+    sample_of,
+    seed,
+)
+from tessera_operator.scaling.queue_metrics import MAX_BODY_BYTES, metrics_url, queue_depths
 from tests.fixtures.loopback_http import serving
 from tests.operator.test_reconcile_unit import IC_PATH, fake_with_cluster
 

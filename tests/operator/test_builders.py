@@ -353,7 +353,7 @@ def test_the_disruption_budget_lets_one_rank_go_at_a_time_and_only_with_two_grou
 
 
 def test_a_cluster_may_opt_out_of_the_disruption_budget_and_drift_ignores_dropped_fields() -> None:
-    from tessera_operator.reconcile import budget_drifted
+    from tessera_operator.reconcile.owned_plans import budget_drifted
 
     three = {"model": {"source": "m"}, "replicas": 3}
     opted_out = InferenceClusterSpec.model_validate({**three, "disruptionBudget": {"enabled": False}})

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from e2e.local_cluster import default_bin_dir
-from tessera_operator import webhook
 from tessera_operator.__main__ import parse_args
+from tessera_operator.admission import webhook
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "tessera"
 HELM = default_bin_dir() / "helm"

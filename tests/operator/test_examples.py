@@ -6,8 +6,8 @@ import yaml
 
 from tessera.topology import DEFAULT_API_PORT
 from tessera_operator import builders
+from tessera_operator.admission.validation import validate_object
 from tessera_operator.api import InferenceClusterSpec
-from tessera_operator.validation import validate_object
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 DOCS = [(p, d) for p in sorted(EXAMPLES_DIR.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from tessera_operator import builders
-from tessera_operator.observe import observe
+from tessera_operator.reconcile.observe import observe
 from tests.operator.sim import REF, Sim, spec_of
 
 SPEC = spec_of()  # one group of 4 pods: demo-g0-s{0,1}-t{0,1}

@@ -4,12 +4,12 @@ import copy
 
 from tessera_operator import builders
 from tessera_operator.api import RestartPolicySpec
-from tessera_operator.planner import (
+from tessera_operator.reconcile.planner import (
     STUCK_TERMINATING_SECONDS,
     WAIT_FOR_DELETION_SECONDS,
     WAIT_FOR_STUCK_SECONDS,
 )
-from tessera_operator.restart import backoff_seconds
+from tessera_operator.reconcile.restart import backoff_seconds
 from tessera_operator.timeutil import to_rfc3339
 from tests.operator.sim import Sim, spec_of
 
@@ -462,7 +462,7 @@ def test_a_group_whose_pods_are_stuck_terminating_on_a_dead_node_becomes_stalled
 
 def test_a_condition_the_crd_defaulted_without_a_time_gets_one_and_then_keeps_it() -> None:
     from tessera_operator.api import Condition
-    from tessera_operator.status import set_condition
+    from tessera_operator.reconcile.status import set_condition
 
     defaulted = [Condition(type="Reconciling", status="True", reason="AwaitingOperator")]
     first = set_condition(

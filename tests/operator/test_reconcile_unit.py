@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from tessera_operator import builders
+from tessera_operator.admission.podpolicy import PodPolicy
 from tessera_operator.kube import ApiError
-from tessera_operator.planner import Event
-from tessera_operator.podpolicy import PodPolicy
-from tessera_operator.reconcile import Reconciler
+from tessera_operator.reconcile.events import Event
+from tessera_operator.reconcile.reconciler import Reconciler
 from tests.operator.sim import spec_of
 
 _uids = itertools.count()
@@ -375,7 +375,7 @@ async def running_autoscaled_cluster(
     monkeypatch: pytest.MonkeyPatch, answers: list[float | None]
 ) -> tuple[FakeClient, Reconciler, list[float]]:
     """An autoscaled cluster whose group is Ready; every leader's gauge reads `answers[0]`."""
-    import tessera_operator.reconcile as reconcile_module
+    import tessera_operator.reconcile.reconciler as reconcile_module
 
     async def depths(leaders: Any, metric: str) -> list[float | None]:
         return [answers[0] for _ in leaders]
@@ -467,7 +467,7 @@ async def test_pods_an_orphaning_delete_left_are_adopted_by_the_next_cluster_of_
 
 
 def test_only_pods_no_controller_owns_are_orphans() -> None:
-    from tessera_operator.observe import is_orphan
+    from tessera_operator.reconcile.observe import is_orphan
 
     pod = builders.build_group(builders.ClusterRef("demo", "ns", "u"), spec_of(), "r", 0)[0]
     assert not is_orphan(pod, "demo")  # its cluster's
@@ -559,7 +559,7 @@ async def test_replicas_set_by_hand_while_a_sample_is_taken_are_not_overwritten(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """As the HPA writes the Scale it read: `kubectl scale --replicas=0` during the scrape wins."""
-    import tessera_operator.reconcile as reconcile_module
+    import tessera_operator.reconcile.reconciler as reconcile_module
 
     client, reconciler, now = await running_autoscaled_cluster(monkeypatch, [20.0])
 
@@ -590,7 +590,7 @@ async def test_no_scale_is_decided_while_the_spec_is_refused(monkeypatch: pytest
 
 
 async def test_a_wall_clock_stepped_back_does_not_stop_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tessera_operator.reconcile as reconcile_module
+    import tessera_operator.reconcile.reconciler as reconcile_module
 
     scrapes = []
 
@@ -694,7 +694,7 @@ async def test_a_dry_run_that_cannot_judge_the_pods_is_no_refusal(answer: ApiErr
 async def test_a_dry_run_with_no_answer_in_time_is_no_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
     """A slow pod webhook must not hold a webhook of ours past the API server's 10 s, failing a
     valid object closed."""
-    from tessera_operator import pod_dry_run
+    from tessera_operator.admission import pod_dry_run
 
     monkeypatch.setattr(pod_dry_run, "DRY_RUN_TIMEOUT_S", 0.05)
     client = fake_with_cluster()
@@ -822,7 +822,7 @@ def pod_event(version: str) -> dict[str, Any]:
 
 
 async def test_the_owned_watch_resumes_from_the_last_version_backs_off_and_lists_again_on_410() -> None:
-    from tessera_operator import ownedwatch
+    from tessera_operator.reconcile import ownedwatch
 
     gone = {"type": "ERROR", "object": {"code": 410, "message": "too old resource version"}}
     client = ScriptedWatchClient(
@@ -895,7 +895,7 @@ async def test_a_spec_1500_levels_deep_is_degraded_once_and_never_raises() -> No
 async def test_an_exception_while_judging_the_spec_is_reported_not_raised(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tessera_operator import reconcile
+    from tessera_operator.reconcile import reconciler as reconcile
 
     def broken(*_: Any) -> Any:
         raise RecursionError("maximum recursion depth exceeded")
@@ -915,7 +915,8 @@ def test_api_answers_decode_however_deep_the_api_server_stores_them_and_kopf_too
 
     from kopf._cogs.clients import api as kopf_api
 
-    from tessera_operator import handlers, kube
+    from tessera_operator import kube
+    from tessera_operator.reconcile import handlers
 
     text = '{"a":' * 1500 + "{}" + "}" * 1500
     with pytest.raises(RecursionError):

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-import tessera_operator.reconcile as reconcile_module
+import tessera_operator.reconcile.reconciler as reconcile_module
 from tessera_operator.kube import ApiError
-from tessera_operator.reconcile import Reconciler
+from tessera_operator.reconcile.reconciler import Reconciler
 from tests.operator.test_reconcile_unit import (
     IC_PATH,
     PODS,

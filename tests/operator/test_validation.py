@@ -5,8 +5,8 @@ import pytest
 from pydantic import ValidationError
 
 from tessera_operator import api, bounded_json
-from tessera_operator.podpolicy import PodPolicy
-from tessera_operator.validation import validate_object
+from tessera_operator.admission.podpolicy import PodPolicy
+from tessera_operator.admission.validation import validate_object
 
 BASE = {"model": {"source": "smollm2-135m-instruct"}, "parallelism": {"tensor": 3, "pipeline": 2}}
 
@@ -451,7 +451,7 @@ def test_a_trailing_newline_is_not_a_valid_name_or_label(changes: dict[str, obje
 
 
 def test_a_rule_that_breaks_on_an_unforeseen_value_refuses_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tessera_operator import validation
+    from tessera_operator.admission import validation
 
     def broken(*_: object) -> list[object]:
         raise TypeError("unhashable type: 'list'")

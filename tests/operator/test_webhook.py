@@ -6,8 +6,9 @@ import aiohttp
 import kopf
 import pytest
 
-from tessera_operator import api, webhook
-from tessera_operator.podpolicy import PodPolicy
+from tessera_operator import api
+from tessera_operator.admission import webhook
+from tessera_operator.admission.podpolicy import PodPolicy
 
 INVALID = {
     "model": {"source": "smollm2-135m-instruct"},
@@ -215,7 +216,7 @@ def test_a_long_service_name_still_gets_a_certificate(tmp_path: Any) -> None:
     """A CN holds 64 characters; the webhook's Service DNS name is often longer (the SANs hold it)."""
     import subprocess
 
-    from tessera_operator.certs import self_signed
+    from tessera_operator.admission.certs import self_signed
 
     host = "tessera-platform-operator-webhook.ml-inference-platform-production.svc"
     cert, _ = self_signed(tmp_path, host)
@@ -252,7 +253,7 @@ async def test_a_review_of_two_large_valid_objects_is_answered(tmp_path: Any) ->
     import ssl
 
     from tessera.ports import free_port
-    from tessera_operator.certs import self_signed
+    from tessera_operator.admission.certs import self_signed
 
     spec = {**VALID, "template": {"env": [{"name": f"CFG_{i}", "value": "x" * 30_000} for i in range(6)]}}
     applied = json.dumps({"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND, "spec": spec})
@@ -312,7 +313,7 @@ async def test_a_review_of_two_large_valid_objects_is_answered(tmp_path: Any) ->
 
 
 async def test_a_self_signed_serving_certificate_is_renewed_by_a_restart_before_it_expires() -> None:
-    from tessera_operator.certs import SELF_SIGNED_DAYS
+    from tessera_operator.admission.certs import SELF_SIGNED_DAYS
 
     assert webhook.SELF_SIGNED_RENEWAL_SECONDS < SELF_SIGNED_DAYS * 86400
     stopped = asyncio.Event()

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tessera_operator.workqueue import WorkQueue
+from tessera_operator.reconcile.workqueue import WorkQueue
 
 
 async def test_events_for_one_key_collapse_and_never_run_concurrently() -> None:

@@ -4,7 +4,7 @@ queue-depth autoscaler read an idle server's queue as 0, not as missing)."""
 from __future__ import annotations
 
 from tessera.metrics import EngineMetrics
-from tessera_operator.autoscaler import parse_gauge
+from tessera_operator.scaling.autoscaler import parse_gauge
 
 
 def test_a_fresh_server_exports_its_gauges_and_counters_at_zero() -> None:

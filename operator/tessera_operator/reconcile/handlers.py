@@ -20,12 +20,13 @@ from typing import Any
 import aiohttp
 import kopf
 
-from tessera_operator import api, kube, webhook
+from tessera_operator import api, kube
+from tessera_operator.admission import webhook
 from tessera_operator.config import CONFIG
 from tessera_operator.kube import KubeClient
-from tessera_operator.ownedwatch import watch_owned
-from tessera_operator.reconcile import Reconciler
-from tessera_operator.workqueue import WorkQueue
+from tessera_operator.reconcile.ownedwatch import watch_owned
+from tessera_operator.reconcile.reconciler import Reconciler
+from tessera_operator.reconcile.workqueue import WorkQueue
 
 
 def decode_deep_json_in_kopf() -> None:
@@ -52,7 +53,9 @@ def decode_deep_json_in_kopf() -> None:
 
 decode_deep_json_in_kopf()
 
-if CONFIG.webhook_port is not None:  # `kopf run -m tessera_operator.handlers` configured by environment
+if (
+    CONFIG.webhook_port is not None
+):  # `kopf run -m tessera_operator.reconcile.handlers` configured by environment
     webhook.register()
 
 

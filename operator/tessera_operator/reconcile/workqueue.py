@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Hashable
 
 from tessera_operator.timeutil import capped_backoff
 
-log = logging.getLogger("tessera_operator.workqueue")
+log = logging.getLogger("tessera_operator.reconcile.workqueue")
 
 Key = Hashable
 LAST_DONE_PRUNE_SIZE = 1024

@@ -14,13 +14,12 @@ spec may ask for more than `max_pods_per_cluster` pods.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from tessera_operator.api import InferenceClusterSpec
+from tessera_operator.config import PodPolicy
 from tessera_operator.fielderror import FieldError
 
-DEFAULT_MAX_PODS_PER_CLUSTER = 1024
 # Pod annotations that loosen the container's AppArmor or (legacy) seccomp confinement.
 CONFINEMENT_ANNOTATIONS = (
     "container.apparmor.security.beta.kubernetes.io/",
@@ -39,21 +38,6 @@ PROJECTED_SOURCES = frozenset({"configMap", "downwardAPI", "secret", "serviceAcc
 # The role labels of control-plane nodes, which kubeadm also taints NoSchedule with these keys.
 CONTROL_PLANE_KEYS = frozenset({"node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master"})
 CONTROL_PLANE_FLAG = "--allow-control-plane"
-
-
-@dataclass(frozen=True)
-class PodPolicy:
-    allow_host_path: bool = False
-    allow_secrets: bool = False
-    allowed_secrets: frozenset[str] = frozenset()  # these Secrets by name, with allow_secrets off
-
-    def secret_allowed(self, name: object) -> bool:
-        return self.allow_secrets or (isinstance(name, str) and name in self.allowed_secrets)
-
-    allowed_service_accounts: frozenset[str] = frozenset()
-    allowed_priority_classes: frozenset[str] = frozenset()
-    max_pods_per_cluster: int = DEFAULT_MAX_PODS_PER_CLUSTER
-    allow_control_plane: bool = False  # rank pods may select and tolerate control-plane nodes
 
 
 SECRET_FLAGS = "--allowed-secrets NAME or --allow-secrets"

@@ -49,16 +49,16 @@ import kopf
 from kopf._core.engines import admission  # the errors kopf's own server maps to HTTP (pinned kopf)
 
 from tessera_operator import api
+from tessera_operator.admission.certs import SELF_SIGNED_DAYS, self_signed
+from tessera_operator.admission.pod_dry_run import refused_pod_fields
+from tessera_operator.admission.validation import validate_object
 from tessera_operator.bounded_json import describe, excess
 from tessera_operator.builders import ClusterRef, revision_of
-from tessera_operator.certs import SELF_SIGNED_DAYS, self_signed
 from tessera_operator.config import CONFIG, OperatorConfig
 from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import ApiError, KubeClient
-from tessera_operator.pod_dry_run import refused_pod_fields
-from tessera_operator.validation import validate_object
 
-log = logging.getLogger("tessera_operator.webhook")
+log = logging.getLogger("tessera_operator.admission.webhook")
 HANDLER_ID = "tessera-validate"  # also the URL path the API server calls
 WEBHOOK_NAME = "validate.inferenceclusters.tessera.dev"
 # How often the managed configuration is written again (see ManagedWebhookServer.keep_current).

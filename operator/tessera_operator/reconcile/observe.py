@@ -16,7 +16,6 @@ from typing import Any
 from tessera_operator import naming
 from tessera_operator.timeutil import from_rfc3339
 
-GROUP_SIZE_ANNOTATION = "tessera.dev/group-size"
 POD_DELETED = "PodDeleted"  # a started group misses pods: someone removed them
 POD_EVICTED = "PodEvicted"  # the kubelet took a pod off its node (memory pressure, shutdown)
 # Failed pods' reasons that are the node's doing, not the rank's: node-pressure eviction, critical
@@ -44,7 +43,9 @@ class GroupObservation:
 
     @property
     def expected_size(self) -> int | None:
-        sizes = {p["metadata"].get("annotations", {}).get(GROUP_SIZE_ANNOTATION) for p in self.pods.values()}
+        sizes = {
+            p["metadata"].get("annotations", {}).get(naming.GROUP_SIZE_ANNOTATION) for p in self.pods.values()
+        }
         if len(sizes) != 1:
             return None
         size = next(iter(sizes))

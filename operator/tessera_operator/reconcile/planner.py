@@ -11,9 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tessera_operator.api import GroupStatus, InferenceClusterSpec
-from tessera_operator.observe import GroupObservation, Observation, is_disruption
-from tessera_operator.restart import record_disruption, record_failure, seconds_until_restart, settled
-from tessera_operator.rollout import GroupState, choose_replacements, surge_count
+from tessera_operator.reconcile.events import Event
+from tessera_operator.reconcile.observe import GroupObservation, Observation, is_disruption
+from tessera_operator.reconcile.restart import (
+    record_disruption,
+    record_failure,
+    seconds_until_restart,
+    settled,
+)
+from tessera_operator.reconcile.rollout import GroupState, choose_replacements, surge_count
 from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 
 WAIT_FOR_DELETION_SECONDS = 1.0
@@ -22,13 +28,6 @@ WAIT_FOR_DELETION_SECONDS = 1.0
 # (the replacement takes the same name, as a StatefulSet's does). Say so, and look less often.
 STUCK_TERMINATING_SECONDS = 60.0
 WAIT_FOR_STUCK_SECONDS = 15.0
-
-
-@dataclass
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
 
 
 @dataclass
@@ -140,9 +139,31 @@ def _plan_group(
     now: float,
     result: Plan,
 ) -> GroupStatus:
+    """The group's status after this pass, its pods' fate recorded in `result`: the first case
+    that applies decides (backing off, being replaced, failed, incomplete), else it runs."""
+    if status.phase == "BackingOff":
+        return _backing_off(spec, revision, obs, status, now, result)
+    replaced = _replacing(revision, obs, status, replace, now, result)
+    if replaced is not None:
+        return replaced
+    failed = _failed(spec, obs, status, now, result)
+    if failed is not None:
+        return failed
+    incomplete = _incomplete(revision, obs, status, now, result)
+    return incomplete if incomplete is not None else _running(spec, revision, obs, status, now)
+
+
+def _backing_off(
+    spec: InferenceClusterSpec,
+    revision: str,
+    obs: GroupObservation,
+    status: GroupStatus,
+    now: float,
+    result: Plan,
+) -> GroupStatus:
+    """A failed group waits out its backoff with no pods, then is made again."""
     index = obs.index
-    size = spec.parallelism.tensor * spec.parallelism.pipeline  # `pods` counts what exists after this pass
-    if status.phase == "BackingOff" and status.revision != revision:
+    if status.revision != revision:
         # The spec changed while the group waited out a crash backoff (a fix, or a rollback):
         # the new revision starts now, with none of the old one's failure history.
         status = status.model_copy(
@@ -153,104 +174,112 @@ def _plan_group(
                 "next_restart_time": to_rfc3339(now),
             }
         )
-    if status.phase == "BackingOff":
-        wait = seconds_until_restart(status, now)
-        if wait > 0 or obs.pods or obs.terminating:
-            result.delete_pods += sorted(obs.pods)
-            if wait > 0:
-                result.requeue(wait)
-            else:
-                await_deletion(obs, now, result)
-            return status.model_copy(update={"pods": len(obs.pods), "ready": False})
-        result.create_groups.append(index)
-        why = (
-            f"after {status.backoff_seconds:g}s backoff (restart {status.restarts})"
-            if status.restarts
-            else f"at revision {revision}, without the backoff of the one before"
-        )
-        result.events.append(Event("Normal", "GroupRestarted", f"recreating group {index} {why}"))
-        return status.model_copy(
-            update={"phase": "Pending", "revision": revision, "pods": size, "next_restart_time": None}
-        )
+    wait = seconds_until_restart(status, now)
+    if wait > 0 or obs.pods or obs.terminating:
+        result.delete_pods += sorted(obs.pods)
+        if wait > 0:
+            result.requeue(wait)
+        else:
+            await_deletion(obs, now, result)
+        return status.model_copy(update={"pods": len(obs.pods), "ready": False})
+    result.create_groups.append(index)
+    why = (
+        f"after {status.backoff_seconds:g}s backoff (restart {status.restarts})"
+        if status.restarts
+        else f"at revision {revision}, without the backoff of the one before"
+    )
+    result.events.append(Event("Normal", "GroupRestarted", f"recreating group {index} {why}"))
+    size = spec.parallelism.tensor * spec.parallelism.pipeline  # `pods` counts what exists after this pass
+    return status.model_copy(
+        update={"phase": "Pending", "revision": revision, "pods": size, "next_restart_time": None}
+    )
 
-    replacing = replace or (status.phase == "Updating" and obs.revision != revision)
-    if replacing:
-        if obs.pods and obs.revision != revision:
-            result.delete_pods += sorted(obs.pods)
-            if replace and status.phase != "Updating":
-                result.events.append(
-                    Event(
-                        "Normal",
-                        "GroupUpdating",
-                        f"replacing group {index}: revision {obs.revision} -> {revision}",
-                    )
-                )
-            return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
-        if not obs.pods:
-            if not obs.terminating:
-                result.create_groups.append(index)
-            else:
-                await_deletion(obs, now, result)
-            return status.model_copy(
-                update={
-                    "phase": "Updating",
-                    "revision": revision,
-                    "pods": 0,
-                    "ready": False,
-                    "ready_since": None,
-                    "failing_since": None,  # a new revision gets its own deadline
-                }
-            )
 
+def _replacing(
+    revision: str, obs: GroupObservation, status: GroupStatus, replace: bool, now: float, result: Plan
+) -> GroupStatus | None:
+    """A group the rollout replaces (or one it was replacing): old pods go, then new ones come."""
+    if not (replace or (status.phase == "Updating" and obs.revision != revision)):
+        return None
+    if obs.pods and obs.revision != revision:
+        result.delete_pods += sorted(obs.pods)
+        if replace and status.phase != "Updating":
+            message = f"replacing group {obs.index}: revision {obs.revision} -> {revision}"
+            result.events.append(Event("Normal", "GroupUpdating", message))
+        return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
+    if obs.pods:
+        return None  # made at the revision already: judged like any other group
+    if not obs.terminating:
+        result.create_groups.append(obs.index)
+    else:
+        await_deletion(obs, now, result)
+    return status.model_copy(
+        update={
+            "phase": "Updating",
+            "revision": revision,
+            "pods": 0,
+            "ready": False,
+            "ready_since": None,
+            "failing_since": None,  # a new revision gets its own deadline
+        }
+    )
+
+
+def _failed(
+    spec: InferenceClusterSpec, obs: GroupObservation, status: GroupStatus, now: float, result: Plan
+) -> GroupStatus | None:
+    """A failed group is torn down: at once after a disruption from outside, else after a backoff."""
     # Only a group once seen whole lost pods when some are missing; one still being created
     # waits for them (a quota refusing a rank is reported, not a restart storm).
     failure = obs.failure(was_complete=bool(status.complete))
-    if failure is not None and is_disruption(failure):
+    if failure is None:
+        return None
+    index = obs.index
+    result.delete_pods += sorted(obs.pods)
+    if is_disruption(failure):
         disrupted = record_disruption(status, failure, now)
-        result.delete_pods += sorted(obs.pods)
         result.requeue(0.0)
-        result.events.append(
-            Event(
-                "Normal",
-                "GroupDisrupted",
-                f"group {index} lost a rank from outside ({failure}); recreating it now, without backoff",
-            )
-        )
+        message = f"group {index} lost a rank from outside ({failure}); recreating it now, without backoff"
+        result.events.append(Event("Normal", "GroupDisrupted", message))
         return disrupted.model_copy(update={"pods": len(obs.pods)})
-    if failure is not None:
-        failed = record_failure(status, failure, now, spec.restart_policy)
-        result.delete_pods += sorted(obs.pods)
-        result.requeue(failed.backoff_seconds or 0.0)
-        result.events.append(
-            Event(
-                "Warning",
-                "GroupFailed",
-                f"group {index} failed ({failure}); restart {failed.restarts} in {failed.backoff_seconds:g}s",
-            )
-        )
-        return failed.model_copy(update={"pods": len(obs.pods)})
+    failed = record_failure(status, failure, now, spec.restart_policy)
+    result.requeue(failed.backoff_seconds or 0.0)
+    message = f"group {index} failed ({failure}); restart {failed.restarts} in {failed.backoff_seconds:g}s"
+    result.events.append(Event("Warning", "GroupFailed", message))
+    return failed.model_copy(update={"pods": len(obs.pods)})
 
+
+def _incomplete(
+    revision: str, obs: GroupObservation, status: GroupStatus, now: float, result: Plan
+) -> GroupStatus | None:
+    """A group of mixed revisions starts over; one missing pods gets them (at its own revision)."""
     if obs.pods and obs.revision is None:
         # Mixed revisions inside one group can never rendezvous: start it over at the current one.
         result.delete_pods += sorted(obs.pods)
         return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
-    if not obs.complete:
-        if obs.pods and obs.revision != revision:
-            result.delete_pods += sorted(obs.pods)  # a partial group of an old revision: recreate it
-            return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
-        result.create_groups.append(index)
-        if obs.terminating:
-            await_deletion(obs, now, result)
-        return status.model_copy(
-            update={
-                "phase": "Pending",
-                "revision": revision,
-                "pods": len(obs.pods),
-                "ready": False,
-                "ready_since": None,
-            }
-        )
+    if obs.complete:
+        return None
+    if obs.pods and obs.revision != revision:
+        result.delete_pods += sorted(obs.pods)  # a partial group of an old revision: recreate it
+        return status.model_copy(update={"phase": "Updating", "pods": len(obs.pods), "ready": False})
+    result.create_groups.append(obs.index)
+    if obs.terminating:
+        await_deletion(obs, now, result)
+    return status.model_copy(
+        update={
+            "phase": "Pending",
+            "revision": revision,
+            "pods": len(obs.pods),
+            "ready": False,
+            "ready_since": None,
+        }
+    )
 
+
+def _running(
+    spec: InferenceClusterSpec, revision: str, obs: GroupObservation, status: GroupStatus, now: float
+) -> GroupStatus:
+    """A whole group: Ready once its leader is, Starting while its pods run, else Pending."""
     ready = obs.leader_ready
     phase = "Ready" if ready else ("Starting" if obs.all_running else "Pending")
     ready_since = (status.ready_since or to_rfc3339(now)) if ready else None

@@ -21,7 +21,7 @@ from tessera_operator.api import InferenceClusterSpec
 from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import ApiError, KubeClient, core_path
 
-log = logging.getLogger("tessera_operator.pod_dry_run")
+log = logging.getLogger("tessera_operator.admission.pod_dry_run")
 # A pod the API server cannot decode (400) or finds invalid (422). Not 403: a quota exceeded
 # now may fit once a rollout's old group is gone.
 REFUSED_STATUSES = (400, 422)

@@ -11,7 +11,7 @@ from typing import Any
 
 from tessera_operator import naming
 from tessera_operator.api import Condition, GroupStatus, InferenceClusterSpec, InferenceClusterStatus
-from tessera_operator.planner import Plan
+from tessera_operator.reconcile.planner import Plan
 from tessera_operator.timeutil import from_rfc3339, to_rfc3339
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import aiohttp
 
 from tessera.topology import DEFAULT_API_PORT
-from tessera_operator.autoscaler import parse_gauge
+from tessera_operator.scaling.autoscaler import parse_gauge
 
-log = logging.getLogger("tessera_operator.queue_metrics")
+log = logging.getLogger("tessera_operator.scaling.queue_metrics")
 SCRAPE_TIMEOUT_SECONDS = 3.0
 MAX_BODY_BYTES = 4 << 20  # a metrics page is a few KB: never read an unbounded answer
 

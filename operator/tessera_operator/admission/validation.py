@@ -15,11 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tessera.topology import Topology
 from tessera_operator import naming
-from tessera_operator.api import InferenceClusterSpec, TemplateSpec
-from tessera_operator.fielderror import FieldError
-from tessera_operator.k8sformat import (
+from tessera_operator.admission.k8sformat import (
     check_affinity,
     check_annotations,
     check_env_source,
@@ -32,17 +29,17 @@ from tessera_operator.k8sformat import (
     qualified_name_problem,
     resource_name_problem,
 )
-from tessera_operator.known_models import known_model
+from tessera_operator.admission.known_models import known_model
+from tessera_operator.admission.podpolicy import PodPolicy, check_pod_policy
+from tessera_operator.api import InferenceClusterSpec, TemplateSpec
+from tessera_operator.builders import RESERVED_ENV
+from tessera_operator.fielderror import FieldError
 from tessera_operator.naming import CLUSTER_NAME_RE, MAX_CLUSTER_NAME
-from tessera_operator.podpolicy import PodPolicy, check_pod_policy
 from tessera_operator.quantity import quantity_to_bytes
 
 __all__ = ["RESERVED_ENV", "FieldError", "PodPolicy", "validate_object"]
 
-log = logging.getLogger("tessera_operator.validation")
-
-# Variables the operator owns in every rank pod; the user's env must not shadow them.
-RESERVED_ENV = frozenset(Topology.model_validate({}).to_env()) | {"TESSERA_LAYER_PARTITION", "PYTHONHASHSEED"}
+log = logging.getLogger("tessera_operator.admission.validation")
 
 
 def parse_spec(raw: dict[str, Any]) -> tuple[InferenceClusterSpec | None, list[FieldError]]:

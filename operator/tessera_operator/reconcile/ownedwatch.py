@@ -23,7 +23,7 @@ from typing import Any
 from tessera_operator import naming
 from tessera_operator.kube import ApiError, KubeClient
 
-log = logging.getLogger("tessera_operator.ownedwatch")
+log = logging.getLogger("tessera_operator.reconcile.ownedwatch")
 WATCH_TIMEOUT_SECONDS = 300
 BACKOFF_BASE_SECONDS, BACKOFF_MAX_SECONDS = 0.5, 30.0
 # A stream that ends this soon with nothing in it counts as a failure (a proxy that closes it at
