@@ -1,8 +1,9 @@
 """What a request must pass before the engine does any work for it: `admit()`, the one place.
 
-A request meets its refusals in this order; each check runs once, and every refusal after the
-schema's is one error, RequestRefused (message, HTTP status, `param`, OpenAI's `code`), which
-the API server renders as OpenAI's error body.
+A request meets its refusals in this order (a chat's message count comes first, before its
+body is read further); each check runs once, and every refusal after the schema's is one
+error, RequestRefused (message, HTTP status, `param`, OpenAI's `code`, headers such as
+Retry-After), which the API server renders as OpenAI's error body.
 
 Before a request exists (transport; they judge bytes and connections, not a request):
   - http_limits: header size and time (431, disconnect); api_key: the bearer key (401);
@@ -19,9 +20,11 @@ Here, `admit()` (generation) and `admit_tokenize()` / `admit_detokenize()` (vLLM
   3. the server's caps (ServingLimits: chat messages, prompts, n, sequences, stop strings and
      their length, stop token ids, logprobs / top_logprobs);
   4. the model's bounds (InputProcessor.check_params: token ids in its vocabulary, logprobs);
-  5. each prompt: text length before tokenizing (the context, --max-tokenize-chars), token ids in
-     the vocabulary, not empty, fits the context (InputProcessor.tokenize, off the event loop;
-     503 when too many long texts are being tokenized);
+  5. a chat's messages (text content parts, tool calls' JSON arguments) through the model's chat
+     template (a failure is a 400); then each prompt: text length before tokenizing (the
+     context, --max-tokenize-chars), token ids in the vocabulary, not empty, fits the context
+     (InputProcessor.tokenize, off the event loop; TokenizerBusyError, a 503, when too many long
+     texts are being tokenized);
   6. prompt plus completion fits the context (max_tokens, or the room left for min_tokens);
   7. echo's prompt logprob entries (ServingLimits.check_prompt_logprobs);
   8. the engine can serve now and its waiting room holds the request's sequences (503).
@@ -30,7 +33,8 @@ model and tokenizer); this module is the recipe that runs them, in that order.
 
 After admission: the engine core checks again what arrives over the wire (EngineCore.add_request,
 Request.from_engine_core_request), as any process reading a socket must. The offline LLM, which
-has no server, runs 4 itself (InputProcessor.check_request).
+has no server and so none of its caps, admits with SamplingParams' ranges, 4 and 5
+(InputProcessor.check_request and .tokenize).
 """
 
 from __future__ import annotations

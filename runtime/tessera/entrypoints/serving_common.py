@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from tessera.engine.async_llm import AsyncLLM, StreamBacklogError, TokenizerBusyError
+from tessera.engine.async_llm import AsyncLLM, StreamBacklogError
 from tessera.engine.core_client import EngineDeadError
 from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
 from tessera.entrypoints.limits import ServingLimits
@@ -39,8 +39,6 @@ def refusal_of(exc: Exception) -> RequestRefused:
         return RequestRefused(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
     if isinstance(exc, ServerShuttingDownError):
         return RequestRefused(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
-    if isinstance(exc, TokenizerBusyError):
-        return RequestRefused(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"})
     if isinstance(exc, StreamBacklogError):
         return RequestRefused(str(exc), HTTPStatus.REQUEST_TIMEOUT)
     logger.error("request failed", exc_info=exc)
