@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from tessera.version import __version__ as __version__  # re-exported
+
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:

@@ -79,7 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _optional_subcommands() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Subcommands that live beside their code (serving, benchmarks, workers)."""
     registrars = []
-    for module_name in ("tessera.entrypoints.serve_args", "tessera.bench.cli", "tessera.worker.worker_proc"):
+    for module_name in (
+        "tessera.entrypoints.serve_command",
+        "tessera.bench.cli",
+        "tessera.worker.worker_proc",
+    ):
         try:
             module = __import__(module_name, fromlist=["register_cli"])
         except ImportError as exc:

@@ -9,14 +9,37 @@ MAX_LOGPROBS = 20  # top logprobs per token the engine returns at most (vLLM's d
 MAX_N = 128  # samples per prompt one request may ask for (the API's schema bound)
 
 
-class InvalidParameterError(ValueError):
-    """A request parameter out of bounds; `param` names it for the client, `code` (OpenAI's
-    machine-readable error code, e.g. context_length_exceeded) says why where a client may ask."""
+class RequestRefused(ValueError):
+    """A request the server will not run, as its client is told: the message, the HTTP status,
+    the parameter at fault (`param`), OpenAI's machine-readable `code` (e.g.
+    context_length_exceeded; the status when None) and any headers (Retry-After).
+
+    The one error of admission (entrypoints/admission.py); the API server renders it as OpenAI's
+    error body. Here, at the bottom, so every layer that judges a request can raise it."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.headers = headers
+        self.code = code
+
+
+class InvalidParameterError(RequestRefused):
+    """A request parameter out of bounds (400); `param` names it for the client."""
+
+    param: str
 
     def __init__(self, param: str, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
+        super().__init__(message, 400, param, code=code)
 
 
 @dataclass

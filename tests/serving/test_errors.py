@@ -184,7 +184,8 @@ def test_unknown_route_is_openai_404(server: ServerProcess) -> None:
 
 
 def test_answers_name_the_alias_the_client_asked_for() -> None:
-    from tessera.entrypoints.serving_common import APIError, ServingContext
+    from tessera.entrypoints.serving_common import ServingContext
+    from tessera.sampling_params import RequestRefused as APIError
 
     ctx = ServingContext(engine=None, served_model_names=["alpha", "beta"])  # type: ignore[arg-type]
     assert (ctx.check_model("beta"), ctx.check_model("alpha"), ctx.check_model(None)) == (

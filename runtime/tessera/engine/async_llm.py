@@ -27,6 +27,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 from tessera.config import EngineConfig
@@ -37,7 +38,7 @@ from tessera.engine.token_bytes import TokenBytes
 from tessera.metrics import EngineMetrics
 from tessera.models.registry import resolve_model
 from tessera.outputs import RequestOutput
-from tessera.sampling_params import SamplingParams
+from tessera.sampling_params import RequestRefused, SamplingParams
 from tessera.wire.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,11 @@ MAX_LONG_TEXT_JOBS = 4
 DEFAULT_MAX_STREAM_BACKLOG = 1024
 
 
-class TokenizerBusyError(Exception):
+class TokenizerBusyError(RequestRefused):
     """Too many long texts are being tokenized: retry later (503)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"})
 
 
 class StreamBacklogError(Exception):

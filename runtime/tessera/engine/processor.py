@@ -190,6 +190,13 @@ class InputProcessor:
                 "logprobs", f"logprobs must be at most the vocabulary size {self.vocab_size}"
             )
 
+    def check_request(self, params: SamplingParams, cache_salt: str | None = None) -> None:
+        """The offline API's admission (the server's schema checks the salt): what the model can
+        judge, and the cache salt."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameterError("cache_salt", "cache_salt must be a non-empty string if provided")
+        self.check_params(params)
+
     def process(
         self,
         request_id: str,
@@ -198,10 +205,10 @@ class InputProcessor:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
-        """One engine request per sample: n>1 fans out to children with derived seeds."""
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidParameterError("cache_salt", "cache_salt must be a non-empty string if provided")
-        self.check_params(params)
+        """One engine request per sample: n>1 fans out to children with derived seeds.
+
+        The request was admitted already: by the API server's admit() (entrypoints/admission.py),
+        by the offline LLM through check_request."""
         if self.extra_eos_token_ids and not params.ignore_eos:
             params = replace(params, stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         arrival = time.time() if arrival_time is None else arrival_time

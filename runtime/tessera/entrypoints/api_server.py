@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: `tessera serve MODEL [options]`.
 
-FastAPI + uvicorn in front of AsyncLLM. Errors always use OpenAI's error body; request
-validation failures are 400 (not FastAPI's 422); a body too large or too deep is refused
-before it is parsed (BodyGuard). A request that fails inside the server gets a 500 alone.
+FastAPI + uvicorn in front of AsyncLLM. build_app assembles it: the transport's guards, the
+error handlers, the routes. Errors always use OpenAI's error body; request validation failures
+are 400 (not FastAPI's 422); a body too large or too deep is refused before it is parsed
+(BodyGuard); what a parsed request may ask for is admission.py's. A request that fails inside
+the server gets a 500 alone.
 When the engine core dies, /health turns 503, waiting callers get errors, and the process
 exits non-zero so a supervisor restarts it.
 """
@@ -14,8 +16,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from http import HTTPStatus
 from typing import Any
 
@@ -26,7 +28,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera import __version__
 from tessera.engine.arg_utils import engine_config_from_args
 from tessera.engine.async_llm import AsyncLLM
 from tessera.engine.core_client import EngineDeadError
@@ -51,14 +52,15 @@ from tessera.entrypoints.protocol import (
 from tessera.entrypoints.serve_args import add_serve_args
 from tessera.entrypoints.serving_chat import create_chat_completion
 from tessera.entrypoints.serving_common import (
-    APIError,
     ServingContext,
     default_max_waiting_requests,
     error_response,
+    refusal_of,
 )
 from tessera.entrypoints.serving_completions import create_completion
 from tessera.entrypoints.serving_tokenize import detokenize, tokenize
-from tessera.sampling_params import InvalidParameterError
+from tessera.sampling_params import RequestRefused
+from tessera.version import __version__
 
 logger = logging.getLogger("tessera.api_server")
 
@@ -85,7 +87,7 @@ async def require_json(request: Request) -> None:
     type, a message that hides the cause)."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != "application/json":
-        raise APIError(
+        raise RequestRefused(
             f"unsupported media type {media_type or '(none)'!r}: send the body as JSON with "
             "Content-Type: application/json",
             HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
@@ -126,8 +128,17 @@ def build_app(
     body_timeout: float | None = None,
     docs: bool = True,
 ) -> FastAPI:
-    engine = ctx.engine
+    no_docs: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=engine_lifespan(ctx.engine), **no_docs)
+    add_error_handlers(app)
+    add_guards(app, ctx.limits, api_key, allowed_origins, body_timeout)
+    add_probe_routes(app, ctx.engine)
+    add_model_routes(app, ctx)
+    add_api_routes(app, ctx)
+    return app
 
+
+def engine_lifespan(engine: AsyncLLM) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -136,8 +147,11 @@ def build_app(
         # Off the loop: stopping the core takes seconds, and the last responses are still going out.
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
-    no_docs: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=lifespan, **no_docs)
+    return lifespan
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's body: a schema failure a 400 naming the field (not FastAPI's 422)."""
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -148,20 +162,27 @@ def build_app(
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code, headers=getattr(exc, "headers", None))
 
-    # Failures of one request: a 4xx for bad parameters, a 500 for this request alone, a 503
+    # Failures of one request: a 4xx refusal (admission's), a 500 for this request alone, a 503
     # when the engine is gone; anything else is a bug, answered without its traceback.
-    @app.exception_handler(APIError)
-    @app.exception_handler(InvalidParameterError)
+    @app.exception_handler(RequestRefused)
     @app.exception_handler(RequestFailedError)
     @app.exception_handler(ServerShuttingDownError)
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(Exception)
     async def on_failure(request: Request, exc: Exception) -> JSONResponse:
-        error = APIError.of(exc)
+        error = refusal_of(exc)
         return error_response(error.message, error.status, error.param, error.headers, error.code)
 
+
+def add_guards(
+    app: FastAPI,
+    limits: ServingLimits,
+    api_key: str | None,
+    allowed_origins: Sequence[str],
+    body_timeout: float | None,
+) -> None:
+    """The transport's checks, before any request is parsed."""
     # The last middleware added runs first: the API key is checked before a body is even read.
-    limits = ctx.limits
     app.add_middleware(
         BodyGuard,
         max_body_size=limits.max_request_body_size,
@@ -171,12 +192,15 @@ def build_app(
     )
     if api_key:
         app.add_middleware(ApiKeyGuard, api_key=api_key, protected_paths=PROTECTED_PATHS)
-
     # Added last, so it runs first: a browser's preflight (which carries no key) is answered here.
     if allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
         )
+
+
+def add_probe_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    """What probes and Prometheus read: open even with an API key, as in vLLM."""
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's probe, as vLLM serves it
@@ -194,9 +218,11 @@ def build_app(
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def add_model_routes(app: FastAPI, ctx: ServingContext) -> None:
     def model_card(name: str) -> ModelCard:
         # The served name, never the model's path on the server's disk.
-        return ModelCard(id=name, root=name, max_model_len=engine.max_model_len)
+        return ModelCard(id=name, root=name, max_model_len=ctx.engine.max_model_len)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -206,39 +232,26 @@ def build_app(
     async def model(model: str) -> ModelCard:  # the SDK's client.models.retrieve(name)
         return model_card(ctx.check_model(model))
 
-    json_body = [Depends(require_json)]
 
-    @app.post(
-        "/v1/completions",
-        response_model=CompletionResponse,
-        responses=_ERROR_RESPONSES,
-        dependencies=json_body,
-    )
+def add_api_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """The model's work: each body is JSON, checked by its schema, then admitted (admission.py)."""
+    json_body: dict[str, Any] = {"responses": _ERROR_RESPONSES, "dependencies": [Depends(require_json)]}
+
+    @app.post("/v1/completions", response_model=CompletionResponse, **json_body)
     async def completions(body: CompletionRequest, raw_request: Request) -> Any:
         return await create_completion(ctx, body, raw_request)
 
-    @app.post(
-        "/v1/chat/completions",
-        response_model=ChatCompletionResponse,
-        responses=_ERROR_RESPONSES,
-        dependencies=json_body,
-    )
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, **json_body)
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Any:
         return await create_chat_completion(ctx, body, raw_request)
 
-    @app.post(
-        "/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES, dependencies=json_body
-    )
+    @app.post("/tokenize", response_model=TokenizeResponse, **json_body)
     async def tokenize_prompt(body: TokenizeRequest) -> TokenizeResponse:
         return await tokenize(ctx, body)
 
-    @app.post(
-        "/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES, dependencies=json_body
-    )
+    @app.post("/detokenize", response_model=DetokenizeResponse, **json_body)
     async def detokenize_tokens(body: DetokenizeRequest) -> DetokenizeResponse:
         return await detokenize(ctx, body)
-
-    return app
 
 
 class DrainingServer(uvicorn.Server):
@@ -274,6 +287,31 @@ def api_key_of(flag: str | None, environ: Mapping[str, str]) -> str | None:
     return key.strip()
 
 
+def uvicorn_config(args: argparse.Namespace, app: FastAPI) -> uvicorn.Config:
+    """The HTTP server's settings from `tessera serve`'s flags."""
+    # Every connection is a file descriptor: room for the limit, the engine's sockets and files.
+    open_files = raise_open_file_limit(args.limit_concurrency + 1024)
+    if open_files < args.limit_concurrency + 64:
+        logger.warning(
+            "the open-file limit (%d) is below --limit-concurrency %d: connections beyond it are refused",
+            open_files,
+            args.limit_concurrency,
+        )
+    return uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        http=guarded_protocol(args.timeout_header, args.max_header_size),
+        limit_concurrency=args.limit_concurrency,
+        timeout_keep_alive=args.timeout_keep_alive,
+        # A backstop only: DrainingServer answers what is still open after its grace period.
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 5,
+        access_log=args.log_level == "debug",
+        log_config=None,  # uvicorn's lines go through the root logger: timestamped like ours
+    )
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until stopped; returns the process exit code (1 when the engine core died)."""
     logging.basicConfig(
@@ -297,30 +335,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(
         ctx, api_key, args.allowed_origins, body_timeout=args.timeout_body, docs=not args.disable_fastapi_docs
     )
-    # Every connection is a file descriptor: room for the limit, the engine's sockets and files.
-    open_files = raise_open_file_limit(args.limit_concurrency + 1024)
-    if open_files < args.limit_concurrency + 64:
-        logger.warning(
-            "the open-file limit (%d) is below --limit-concurrency %d: connections beyond it are refused",
-            open_files,
-            args.limit_concurrency,
-        )
-    server = DrainingServer(
-        engine,
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            http=guarded_protocol(args.timeout_header, args.max_header_size),
-            limit_concurrency=args.limit_concurrency,
-            timeout_keep_alive=args.timeout_keep_alive,
-            # A backstop only: DrainingServer answers what is still open after its grace period.
-            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 5,
-            access_log=args.log_level == "debug",
-            log_config=None,  # uvicorn's lines go through the root logger: timestamped like ours
-        ),
-    )
+    server = DrainingServer(engine, uvicorn_config(args, app))
 
     def on_dead(error: EngineDeadError) -> None:
         logger.error("engine core died; shutting the server down")

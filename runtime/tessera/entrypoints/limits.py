@@ -1,4 +1,4 @@
-"""Per-request caps of `tessera serve`: flags, defaults, and the check every request passes at the door.
+"""Per-request caps of `tessera serve`: flags, defaults, and their checks (admission.py runs them).
 
 The model's own bounds (vocabulary, context length) are the InputProcessor's; these are the
 operator's choices of how much one request may ask for, so one client cannot swamp the server.

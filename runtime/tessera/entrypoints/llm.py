@@ -138,6 +138,7 @@ class LLM:
         """Check every prompt, then add them all: a bad one fails the call and leaves none behind."""
         checked = []
         for item in inputs:
+            self.input_processor.check_request(item.params, item.cache_salt)
             request_id = str(next(self._request_counter))
             children = self.input_processor.process(
                 request_id, item.token_ids, item.params, cache_salt=item.cache_salt

@@ -1,4 +1,5 @@
-"""`tessera serve` flags, kept apart from the server so `tessera --help` stays light."""
+"""`tessera serve` flags, kept apart from the server so `tessera --help` stays light (the
+subcommand itself: serve_command.py)."""
 
 from __future__ import annotations
 
@@ -116,16 +117,3 @@ def add_http_args(parser: argparse.ArgumentParser) -> None:
         help="serve no /docs, /redoc or /openapi.json (as vLLM's flag). Without it they are served as in "
         "vLLM, but behind the API key when one is set",
     )
-
-
-def _run_server(args: argparse.Namespace) -> int:
-    from tessera.entrypoints.api_server import run_server
-
-    return run_server(args)
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    """`tessera serve MODEL [options]`, wired into tessera.cli."""
-    serve = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    add_serve_args(serve)
-    serve.set_defaults(handler=_run_server)

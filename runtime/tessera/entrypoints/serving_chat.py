@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
@@ -13,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tessera.engine.output_processor import RequestOutputKind
 from tessera.engine.token_bytes import TokenBytes
+from tessera.entrypoints.admission import admit
 from tessera.entrypoints.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -27,7 +27,6 @@ from tessera.entrypoints.protocol import (
     UsageInfo,
 )
 from tessera.entrypoints.serving_common import (
-    APIError,
     ServingContext,
     cancel_on_disconnect,
     sse,
@@ -56,43 +55,11 @@ def chat_logprobs(output: CompletionOutput, top_n: int, token_bytes: TokenBytes)
     return ChatLogprobs(content=content)
 
 
-async def render_chat_prompt(
-    ctx: ServingContext, messages: list[dict[str, Any]], add_generation_prompt: bool
-) -> str:
-    """The conversation through the model's chat template; a template failure is a 400."""
-    try:
-        return await ctx.engine.render_chat_async(messages, add_generation_prompt)
-    except Exception as exc:  # the template is user-facing Jinja: any failure is the request's fault
-        raise APIError(
-            f"cannot apply the chat template: {exc}", HTTPStatus.BAD_REQUEST, param="messages"
-        ) from exc
-
-
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, raw_request: Request
 ) -> Any:
-    model = ctx.check_model(body.model)
-    # Checked before templating and tokenizing (max_tokens defaults to the room the prompt leaves).
-    ctx.limits.check_chat(len(body.messages))
-    defaults = ctx.engine.processor.sampling_defaults
-    ctx.check_params(
-        body.to_sampling_params(ctx.engine.max_model_len, defaults),
-        num_prompts=1,
-        logprobs_param="top_logprobs",
-    )
-    prompt = await render_chat_prompt(ctx, body.chat_messages(), body.add_generation_prompt)
-    token_ids = await ctx.engine.tokenize_async(
-        prompt,
-        add_special_tokens=body.add_special_tokens,
-        param="messages",
-        keep_last=body.truncate_prompt_tokens,
-    )
-    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    # Within the model's own cap, as completions checks it: what would be generated must fit.
-    asked_tokens = defaults.cap(body.max_completion_tokens or body.max_tokens)
-    ctx.check_context(len(token_ids), asked_tokens, asked, body.min_tokens)
-    params = body.to_sampling_params(max(1, ctx.engine.max_model_len - len(token_ids)), defaults)
-    ctx.check_admission(params.n)
+    admitted = await admit(ctx, body)
+    model, params, token_ids, prompt = admitted.model, admitted.params, admitted.prompts[0], admitted.texts[0]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     generator = ctx.engine.generate(request_id, token_ids, params, prompt, kind, cache_salt=body.cache_salt)

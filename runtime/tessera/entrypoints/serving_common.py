@@ -1,4 +1,4 @@
-"""What both OpenAI endpoints share: errors, admission, model names, SSE, disconnect handling."""
+"""What both OpenAI endpoints share: errors, model names, SSE, disconnect handling."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from tessera.engine.async_llm import AsyncLLM, StreamBacklogError, TokenizerBusyError
+from tessera.engine.async_llm import AsyncLLM, StreamBacklogError
 from tessera.engine.core_client import EngineDeadError
 from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
-from tessera.engine.processor import CONTEXT_LENGTH_EXCEEDED
 from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import ErrorInfo, ErrorResponse
 from tessera.outputs import CompletionOutput
-from tessera.sampling_params import InvalidParameterError, SamplingParams
+from tessera.sampling_params import RequestRefused
 
 logger = logging.getLogger("tessera.api_server")
 
@@ -29,44 +28,21 @@ T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned
 
 
-class APIError(Exception):
-    """An error the client caused or must handle, rendered in OpenAI's format."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-        code: str | None = None,  # OpenAI's machine-readable code; the status when None
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.headers = headers
-        self.code = code
-
-    @classmethod
-    def of(cls, exc: Exception) -> APIError:
-        """The client's view of an exception: never a traceback or a file path."""
-        if isinstance(exc, APIError):
-            return exc
-        if isinstance(exc, InvalidParameterError):
-            return cls(str(exc), HTTPStatus.BAD_REQUEST, param=exc.param, code=exc.code)
-        if isinstance(exc, EngineDeadError):  # its text may hold the engine core's traceback
-            summary = str(exc).splitlines()[0].rstrip(":") if str(exc) else "no detail"
-            return cls(f"the engine died ({summary})", HTTPStatus.SERVICE_UNAVAILABLE)
-        if isinstance(exc, RequestFailedError):
-            return cls(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
-        if isinstance(exc, ServerShuttingDownError):
-            return cls(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
-        if isinstance(exc, TokenizerBusyError):
-            return cls(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"})
-        if isinstance(exc, StreamBacklogError):
-            return cls(str(exc), HTTPStatus.REQUEST_TIMEOUT)
-        logger.error("request failed", exc_info=exc)
-        return cls(f"internal server error ({type(exc).__name__})", HTTPStatus.INTERNAL_SERVER_ERROR)
+def refusal_of(exc: Exception) -> RequestRefused:
+    """The client's view of an exception: never a traceback or a file path."""
+    if isinstance(exc, RequestRefused):
+        return exc
+    if isinstance(exc, EngineDeadError):  # its text may hold the engine core's traceback
+        summary = str(exc).splitlines()[0].rstrip(":") if str(exc) else "no detail"
+        return RequestRefused(f"the engine died ({summary})", HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(exc, RequestFailedError):
+        return RequestRefused(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR)
+    if isinstance(exc, ServerShuttingDownError):
+        return RequestRefused(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "5"})
+    if isinstance(exc, StreamBacklogError):
+        return RequestRefused(str(exc), HTTPStatus.REQUEST_TIMEOUT)
+    logger.error("request failed", exc_info=exc)
+    return RequestRefused(f"internal server error ({type(exc).__name__})", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 _ERROR_TYPES = {
@@ -127,7 +103,7 @@ async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
     except Exception as exc:
-        error = APIError.of(exc)
+        error = refusal_of(exc)
         yield sse(error_body(error.message, error.status, error.param, error.code))
     yield SSE_DONE
 
@@ -145,62 +121,7 @@ class ServingContext:
             return self.served_model_names[0]
         if model in self.served_model_names:
             return model
-        raise APIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
-
-    def check_params(
-        self, params: SamplingParams, num_prompts: int, logprobs_param: str = "logprobs"
-    ) -> None:
-        """The request's caps and the model's bounds (token ids, logprobs), before any work."""
-        self.limits.check(params, num_prompts, logprobs_param)
-        self.engine.processor.check_params(params)
-
-    def check_context(
-        self, prompt_tokens: int, max_tokens: int | None, param: str, min_tokens: int = 0
-    ) -> None:
-        """A completion must fit the context with its prompt: refused, never silently cut short.
-        Without max_tokens it may take the room the prompt leaves, which must hold min_tokens."""
-        limit = self.engine.max_model_len
-        if max_tokens is None and prompt_tokens + min_tokens > limit:
-            raise InvalidParameterError(
-                "min_tokens",
-                f"min_tokens must be in [0, max_tokens], got {min_tokens} (max_tokens: the "
-                f"{max(limit - prompt_tokens, 0)} tokens the {prompt_tokens}-token prompt leaves of {limit})",
-            )
-        if max_tokens is not None and prompt_tokens + max_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for "
-                f"the completion). Please reduce the prompt or {param}.",
-                HTTPStatus.BAD_REQUEST,
-                param=param,
-                code=CONTEXT_LENGTH_EXCEEDED,  # what OpenAI's clients look for
-            )
-
-    def check_admission(self, num_sequences: int) -> None:
-        """503 while the engine is down, or when these sequences would overfill the waiting room.
-
-        The waiting room counts engine sequences (prompts x n); one request larger than the
-        whole room is still admitted when the room is empty, or it could never run.
-        """
-        engine = self.engine
-        problem = engine.health_problem()
-        if problem is not None:  # dead, or alive but not serving (frozen, stuck): never queue behind it
-            raise APIError(
-                f"the engine cannot serve now: {problem}",
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                headers={"Retry-After": "5"},
-            )
-        limit = self.max_waiting_requests
-        if limit is None and self.engine is not None:
-            limit = self.max_waiting_requests = default_max_waiting_requests(self.engine)
-        waiting = engine.num_waiting_requests
-        if limit is not None and waiting > 0 and waiting + num_sequences > limit:
-            raise APIError(
-                f"the server is overloaded: {waiting} sequences are waiting and this request adds "
-                f"{num_sequences} (limit {limit}); retry later",
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                headers={"Retry-After": "1"},
-            )
+        raise RequestRefused(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
 
 
 # Queued requests hold only their prompts: room for a few KV caches' worth of sequences lets a
@@ -240,7 +161,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         if not watcher.done() or watcher.cancelled():
             raise  # the server itself is cancelling this request
         # Nobody reads this answer; it keeps the cancellation out of the server's error log.
-        raise APIError("the client disconnected", CLIENT_CLOSED_REQUEST) from None
+        raise RequestRefused("the client disconnected", CLIENT_CLOSED_REQUEST) from None
 
 
 async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:

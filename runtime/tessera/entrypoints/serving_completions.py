@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tessera.engine.detokenizer import decode
 from tessera.engine.output_processor import RequestOutputKind
+from tessera.entrypoints.admission import admit
 from tessera.entrypoints.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -95,27 +96,9 @@ def echoed_choice(
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw_request: Request) -> Any:
-    model = ctx.check_model(body.model)
-    params = body.to_sampling_params(ctx.engine.processor.sampling_defaults)
-    prompts = body.prompts()
-    ctx.check_params(params, len(prompts))
-    keep_last = body.truncate_prompt_tokens
-    token_lists = [
-        await ctx.engine.tokenize_async(
-            p,
-            add_special_tokens=body.add_special_tokens,
-            param="prompt" if len(prompts) == 1 else f"prompt[{i}]",
-            keep_last=keep_last,
-        )
-        for i, p in enumerate(prompts)
-    ]
-    for ids in token_lists:
-        ctx.check_context(len(ids), params.max_tokens, "max_tokens", params.min_tokens)
-    ctx.limits.check_prompt_logprobs(params, [len(ids) for ids in token_lists])
-    ctx.check_admission(len(prompts) * params.n)
+    admitted = await admit(ctx, body)
+    model, params, token_lists, texts = admitted.model, admitted.params, admitted.prompts, admitted.texts
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    # A truncated prompt is echoed as what the model saw.
-    texts: list[str | None] = [p if isinstance(p, str) and keep_last is None else None for p in prompts]
     if body.echo:  # token-id prompts are echoed as their text
         texts = [
             t if t is not None else decode(ctx.engine.tokenizer, ids)

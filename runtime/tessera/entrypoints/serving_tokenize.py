@@ -7,31 +7,22 @@ client asks it for.
 from __future__ import annotations
 
 from tessera.engine.detokenizer import decode
+from tessera.entrypoints.admission import admit_detokenize, admit_tokenize
 from tessera.entrypoints.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
-    template_messages,
 )
-from tessera.entrypoints.serving_chat import render_chat_prompt
 from tessera.entrypoints.serving_common import ServingContext
 
 
 async def tokenize(
     ctx: ServingContext, body: TokenizeCompletionRequest | TokenizeChatRequest
 ) -> TokenizeResponse:
-    ctx.check_model(body.model)
     engine = ctx.engine
-    if isinstance(body, TokenizeChatRequest):
-        body.refuse_unsupported_extras()
-        ctx.limits.check_chat(len(body.messages))
-        text = await render_chat_prompt(ctx, template_messages(body.messages), body.add_generation_prompt)
-        param = "messages"
-    else:
-        text, param = body.prompt, "prompt"
-    tokens = await engine.encode_async(text, body.add_special_tokens, param)
+    tokens = await admit_tokenize(ctx, body)
     strings = engine.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
     return TokenizeResponse(
         count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens, token_strs=strings
@@ -39,6 +30,5 @@ async def tokenize(
 
 
 async def detokenize(ctx: ServingContext, body: DetokenizeRequest) -> DetokenizeResponse:
-    ctx.check_model(body.model)
-    ctx.engine.processor.check_token_ids(body.tokens, "tokens")
-    return DetokenizeResponse(prompt=decode(ctx.engine.tokenizer, body.tokens))
+    tokens = admit_detokenize(ctx, body)
+    return DetokenizeResponse(prompt=decode(ctx.engine.tokenizer, tokens))
