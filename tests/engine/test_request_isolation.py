@@ -179,6 +179,13 @@ def test_a_refused_prompt_registers_no_block_a_concurrent_request_could_reuse(ti
         for malformed in ([*shared, None], "not a list", 7):
             with pytest.raises(RequestRejected):
                 engine.add_request(engine_request("c", malformed))  # type: ignore[arg-type]
+        # The sampler's ids too, for a caller of the engine that skipped the frontend's admission.
+        for field, sampling in (
+            ("logit_bias", {"logit_bias": {600: 1.0}}),
+            ("allowed_token_ids", {"allowed_token_ids": [5, 512]}),
+        ):
+            with pytest.raises(RequestRejected, match=rf"{field} must be in \[0, 512\)"):
+                engine.add_request(engine_request("d", [*shared, 40], **sampling))
         assert _greedy_tokens(engine, [("b2", [*shared, 40, 41, 42])])["b2"] == alone
         assert engine.scheduler.kv.usage == 0.0
     finally:

@@ -66,11 +66,20 @@ class EngineCore:
         checked = Request.from_engine_core_request(request)  # the fields' types first: a wire message
         # Checked before any block is allocated: a prompt the runner refuses would leave blocks
         # registered in the prefix cache that nobody writes.
-        outside = [t for t in checked.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if outside:
-            raise RequestRejected(
-                f"prompt token ids must be in [0, {self.vocab_size}) for this model, got {outside[:5]}"
-            )
+        params = checked.sampling_params
+        # The ids the sampler indexes the logits with (a stop id beyond the vocabulary just never
+        # matches): the frontend's admission checked them, a caller of AsyncLLM that skips it is
+        # refused here with the same clarity.
+        for what, ids in (
+            ("prompt token ids", checked.prompt_token_ids),
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            outside = [t for t in ids if not 0 <= t < self.vocab_size]
+            if outside:
+                raise RequestRejected(
+                    f"{what} must be in [0, {self.vocab_size}) for this model, got {outside[:5]}"
+                )
         self.scheduler.add_request(checked)
 
     def abort_requests(self, request_ids: list[str]) -> None:
