@@ -84,17 +84,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         topology = topology or Topology(layout=config.parallel)
-        self.model = load_model(
-            model_dir,
-            dtype=dtype,
-            device=device,
-            tp_rank=topology.tp_rank,
-            tp_size=topology.tp_size,
-            pp_rank=topology.pp_rank,
-            pp_size=topology.pp_size,
-            layer_partition=topology.layer_partition,
-            sequence_parallel=topology.sequence_parallel,
-        )
+        self.model = load_model(model_dir, dtype=dtype, device=device, placement=topology.placement)
         context = self.model.max_context
         if config.max_model_len is not None and config.max_model_len > context:
             # Positions past the RoPE table have no meaning the model was trained for (vLLM refuses too).
