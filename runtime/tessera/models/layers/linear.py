@@ -394,7 +394,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
         )
 
 
-def gemm_backend(module: nn.Module) -> str | None:
+def gemm_backend(module: object) -> str | None:
     """The GEMM backend a packed layer multiplies with (``gated`` with SwiGLU in its epilogue),
     None where ``F.linear`` on the dense weight is the kernel (off CPU)."""
     gated = getattr(module, "gated_weight", None)
