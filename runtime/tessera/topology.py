@@ -8,7 +8,8 @@ disagree. Rank layout: tensor parallelism is the innermost dimension,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -31,7 +32,9 @@ class TopologyError(ValueError):
     """The topology environment is missing or inconsistent; the message names the variable."""
 
 
-def split_layers(num_layers: int, pp_size: int, partition: list[int] | None = None) -> list[tuple[int, int]]:
+def split_layers(
+    num_layers: int, pp_size: int, partition: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
     """Return the [start, end) layer range of every pipeline stage.
 
     An explicit partition wins. Otherwise layers split evenly and the remainder
@@ -65,6 +68,52 @@ def split_layers(num_layers: int, pp_size: int, partition: list[int] | None = No
         ranges.append((start, start + size))
         start += size
     return ranges
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Which share of the model one rank holds: its tensor-parallel slot, its pipeline stage and
+    how the layers split over the stages. The model and its layers are built from it (they never
+    read ranks from the process groups); ``Topology.placement`` gives a rank its own. A new way
+    of splitting the model (experts over ranks) adds its slot here, and the layers that split
+    by it read it, without a new argument threaded through every constructor."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    layer_partition: tuple[int, ...] | None = None  # layers per stage; None: an even split
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise TopologyError(f"tensor-parallel rank {self.tp_rank} outside a group of {self.tp_size}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise TopologyError(f"pipeline rank {self.pp_rank} outside a pipeline of {self.pp_size}")
+        if self.layer_partition is not None:  # a list given is kept as a tuple: the value stays frozen
+            object.__setattr__(self, "layer_partition", tuple(self.layer_partition))
+
+    @property
+    def shards_tokens(self) -> bool:
+        """Sequence parallelism in effect: between the linears each TP rank holds a shard of the
+        tokens (with one TP rank there is nothing to shard)."""
+        return self.sequence_parallel and self.tp_size > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_layers(self, num_layers: int) -> tuple[int, int]:
+        """The [start, end) range of the layers this rank's stage runs."""
+        return split_layers(num_layers, self.pp_size, self.layer_partition)[self.pp_rank]
+
+
+# One rank holding the whole model.
+SINGLE_RANK = RankPlacement()
 
 
 def parse_partition(text: str | None) -> list[int] | None:
@@ -170,6 +219,19 @@ class Topology(BaseModel):
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    @property
+    def placement(self) -> RankPlacement:
+        """This rank's share of the model."""
+        layout = self.layout
+        return RankPlacement(
+            tp_rank=self.tp_rank,
+            tp_size=layout.tensor_parallel_size,
+            pp_rank=self.pp_rank,
+            pp_size=layout.pipeline_parallel_size,
+            layer_partition=None if layout.layer_partition is None else tuple(layout.layer_partition),
+            sequence_parallel=layout.sequence_parallel,
+        )
 
     @property
     def rank(self) -> int:

@@ -35,6 +35,7 @@ from tessera.models.layers.linear import (
     pack_weight,
     process_weights_after_loading,
 )
+from tessera.topology import RankPlacement
 
 torch.set_num_threads(2)
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -201,7 +202,9 @@ def test_silu_gated_layer_matches_aten_on_every_backend(
     monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, backend)
     x = torch.randn(9, 64).to(dtype)
     for bias in (False, True):
-        layer = SiluGatedLinear(64, [40, 40], bias=bias, params_dtype=dtype, tp_rank=1, tp_size=2)
+        layer = SiluGatedLinear(
+            64, [40, 40], bias=bias, params_dtype=dtype, placement=RankPlacement(tp_rank=1, tp_size=2)
+        )
         for param in layer.parameters():
             param.data.normal_()
         gate_up = F.linear(
@@ -266,8 +269,18 @@ def test_forced_backend_serves_sharded_layers_like_aten(
     monkeypatch.setenv(gemm_selection.FORCE_VARIABLE, backend)
     x = torch.randn(7, 80).to(dtype)
     for layer, shard_input in (
-        (ColumnParallelLinear(80, 96, bias=True, params_dtype=dtype, tp_rank=1, tp_size=2), x),
-        (RowParallelLinear(80, 96, bias=False, params_dtype=dtype, tp_rank=1, tp_size=2), x[:, :40]),
+        (
+            ColumnParallelLinear(
+                80, 96, bias=True, params_dtype=dtype, placement=RankPlacement(tp_rank=1, tp_size=2)
+            ),
+            x,
+        ),
+        (
+            RowParallelLinear(
+                80, 96, bias=False, params_dtype=dtype, placement=RankPlacement(tp_rank=1, tp_size=2)
+            ),
+            x[:, :40],
+        ),
     ):
         for param in layer.parameters():
             param.data.normal_()
@@ -433,8 +446,8 @@ def test_a_prebuilt_verdict_serves_unmeasured_where_this_cache_has_none(
 
 
 def test_shards_are_selected_at_their_own_shapes(selection_file: Path) -> None:
-    column = ColumnParallelLinear(80, 96, tp_rank=0, tp_size=2)
-    row = RowParallelLinear(80, 96, tp_rank=0, tp_size=2)
+    column = ColumnParallelLinear(80, 96, placement=RankPlacement(tp_rank=0, tp_size=2))
+    row = RowParallelLinear(80, 96, placement=RankPlacement(tp_rank=0, tp_size=2))
     for layer in (column, row):
         layer.weight.data.normal_()
         process_weights_after_loading(layer)

@@ -13,6 +13,7 @@ from tessera.kernels.gemm_selection import FORCE_VARIABLE
 from tessera.models.decoder_stack import build_decoder_stack
 from tessera.models.llama import LlamaForCausalLM
 from tessera.models.loader import load_model
+from tessera.topology import RankPlacement
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.paged_harness import PagedDriver
 from tests.models.scenario import run_scenario
@@ -63,7 +64,10 @@ def test_a_later_pipeline_stage_takes_the_residual_it_is_handed(tiny_llama_dir: 
     for stacked in (True, False):
         stages = [
             load_model(
-                tiny_llama_dir, dtype=torch.float32, device=CPU, pp_rank=r, pp_size=2, layer_partition=[2, 2]
+                tiny_llama_dir,
+                dtype=torch.float32,
+                device=CPU,
+                placement=RankPlacement(pp_rank=r, pp_size=2, layer_partition=(2, 2)),
             )
             for r in range(2)
         ]
@@ -85,5 +89,7 @@ def test_tensor_parallel_ranks_keep_the_layer_loop(tiny_llama_dir: Path) -> None
     """Their all-reduces run in Python between the layers' GEMMs."""
     from tessera.models.hf_config import load_hf_config
 
-    model = LlamaForCausalLM(load_hf_config(tiny_llama_dir), torch.float32, tp_rank=0, tp_size=2)
+    model = LlamaForCausalLM(
+        load_hf_config(tiny_llama_dir), torch.float32, placement=RankPlacement(tp_rank=0, tp_size=2)
+    )
     assert build_decoder_stack(model) is None

@@ -10,6 +10,7 @@ import torch
 
 from tessera import kernels
 from tessera.models.loader import load_model
+from tessera.topology import RankPlacement
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.scenario import compare, reference_logits, run_many_decodes, run_scenario
 
@@ -133,7 +134,10 @@ def test_pipeline_stages_chain_to_the_full_model(folder_fixture: str, request: p
     full = load_model(tiny_llama_dir, dtype=torch.float32, device=CPU)
     stages = [
         load_model(
-            tiny_llama_dir, dtype=torch.float32, device=CPU, pp_rank=r, pp_size=2, layer_partition=[1, 3]
+            tiny_llama_dir,
+            dtype=torch.float32,
+            device=CPU,
+            placement=RankPlacement(pp_rank=r, pp_size=2, layer_partition=(1, 3)),
         )
         for r in range(2)
     ]

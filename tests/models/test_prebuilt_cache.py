@@ -11,6 +11,7 @@ import pytest
 from tessera import kernels
 from tessera.models import registry
 from tessera.models.conversion import COMPLETE_MARKER
+from tessera.topology import RankPlacement
 
 
 def test_a_complete_prebuilt_model_is_used_without_converting(
@@ -91,7 +92,10 @@ def test_gemm_verdicts_measured_ahead_serve_a_rank_without_measuring(
 
     monkeypatch.setattr(gemm_selection, "measure", no_measuring)
     model = load_model(
-        smollm2_dir, dtype=torch.float32, device="cpu", tp_rank=2, tp_size=3, pp_rank=1, pp_size=2
+        smollm2_dir,
+        dtype=torch.float32,
+        device="cpu",
+        placement=RankPlacement(tp_rank=2, tp_size=3, pp_rank=1, pp_size=2),
     )
     ran = {name.rpartition(".")[2]: gemm_backend(module) for name, module in model.named_modules()}
     assert {layer: ran[layer] for layer in ahead} == ahead

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from tessera.models import checkpoint
 from tessera.models.loader import UnsupportedModelError, load_model, safetensors_files
+from tessera.topology import RankPlacement
 
 
 def checkpoint_bytes(folder: Path) -> int:
@@ -23,7 +24,7 @@ def checkpoint_bytes(folder: Path) -> int:
 
 def bytes_read_loading(folder: Path, **rank: int) -> int:
     before = checkpoint.BYTES_READ.bytes
-    load_model(folder, dtype=torch.float32, device="cpu", **rank)
+    load_model(folder, dtype=torch.float32, device="cpu", placement=RankPlacement(**rank))
     return checkpoint.BYTES_READ.bytes - before
 
 
@@ -86,7 +87,12 @@ def test_tensors_the_model_has_no_place_for_are_refused(tiny_llama_dir: Path, tm
         load_model(folder, dtype=torch.float32, device="cpu")
     # ... while every stage of a pipeline skips what other stages hold, without complaint.
     for pp_rank in range(2):
-        load_model(tiny_llama_dir, dtype=torch.float32, device="cpu", pp_rank=pp_rank, pp_size=2)
+        load_model(
+            tiny_llama_dir,
+            dtype=torch.float32,
+            device="cpu",
+            placement=RankPlacement(pp_rank=pp_rank, pp_size=2),
+        )
 
 
 def test_a_stray_safetensors_file_beside_model_safetensors_is_not_read(
@@ -135,7 +141,12 @@ def test_a_checkpoint_larger_than_its_config_is_refused_naming_the_tensor(
 ) -> None:
     folder = edit_config(tiny_llama_dir, tmp_path / "mismatch", **changes)
     with pytest.raises(ValueError, match=re.escape(tensor)):
-        load_model(folder, dtype=torch.float32, device="cpu", tp_rank=tp_size - 1, tp_size=tp_size)
+        load_model(
+            folder,
+            dtype=torch.float32,
+            device="cpu",
+            placement=RankPlacement(tp_rank=tp_size - 1, tp_size=tp_size),
+        )
 
 
 def test_a_norm_weight_of_another_shape_is_refused_not_broadcast(

@@ -17,6 +17,7 @@ from tessera.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from tessera.topology import RankPlacement
 
 torch.manual_seed(0)
 X = torch.randn(5, 24)
@@ -26,7 +27,7 @@ def test_column_parallel_concatenates_to_full() -> None:
     weight, bias = torch.randn(12, 24), torch.randn(12)
     parts = []
     for rank in range(3):
-        layer = ColumnParallelLinear(24, 12, bias=True, tp_rank=rank, tp_size=3)
+        layer = ColumnParallelLinear(24, 12, bias=True, placement=RankPlacement(tp_rank=rank, tp_size=3))
         layer.weight.weight_loader(layer.weight, weight)
         layer.bias.weight_loader(layer.bias, bias)
         parts.append(layer(X))
@@ -37,7 +38,7 @@ def test_merged_column_keeps_each_projection_rank_local() -> None:
     gate, up = torch.randn(16, 24), torch.randn(16, 24)
     gates, ups = [], []
     for rank in range(2):
-        layer = MergedColumnParallelLinear(24, [16, 16], tp_rank=rank, tp_size=2)
+        layer = MergedColumnParallelLinear(24, [16, 16], placement=RankPlacement(tp_rank=rank, tp_size=2))
         layer.weight.weight_loader(layer.weight, gate, 0)
         layer.weight.weight_loader(layer.weight, up, 1)
         g, u = layer(X).chunk(2, dim=-1)
@@ -55,7 +56,9 @@ def test_qkv_splits_heads_and_replicates_scarce_kv_heads(tp: int, heads: int, kv
     full_k = (X @ k_w.T).view(5, kv_heads, head_dim)
     qs = []
     for rank in range(tp):
-        layer = QKVParallelLinear(24, head_dim, heads, kv_heads, bias=False, tp_rank=rank, tp_size=tp)
+        layer = QKVParallelLinear(
+            24, head_dim, heads, kv_heads, bias=False, placement=RankPlacement(tp_rank=rank, tp_size=tp)
+        )
         for shard, w in (("q", q_w), ("k", k_w), ("v", v_w)):
             layer.weight.weight_loader(layer.weight, w, shard)
         q, k, _ = layer(X).split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
@@ -70,16 +73,16 @@ def test_qkv_splits_heads_and_replicates_scarce_kv_heads(tp: int, heads: int, kv
 
 def test_heads_that_do_not_split_name_the_heads_at_fault() -> None:
     with pytest.raises(ValueError, match="3 key/value heads do not split over tensor_parallel_size=4"):
-        QKVParallelLinear(24, 2, 12, 3, bias=False, tp_rank=0, tp_size=4)
+        QKVParallelLinear(24, 2, 12, 3, bias=False, placement=RankPlacement(tp_rank=0, tp_size=4))
     with pytest.raises(ValueError, match="6 attention heads do not split over tensor_parallel_size=4"):
-        QKVParallelLinear(24, 4, 6, 2, bias=False, tp_rank=0, tp_size=4)
+        QKVParallelLinear(24, 4, 6, 2, bias=False, placement=RankPlacement(tp_rank=0, tp_size=4))
 
 
 def test_row_parallel_partials_sum_to_full_with_bias_once() -> None:
     weight, bias = torch.randn(10, 24), torch.randn(10)
     partial_sum = torch.zeros(5, 10)
     for rank in range(2):
-        layer = RowParallelLinear(24, 10, bias=True, tp_rank=rank, tp_size=2)
+        layer = RowParallelLinear(24, 10, bias=True, placement=RankPlacement(tp_rank=rank, tp_size=2))
         layer.weight.weight_loader(layer.weight, weight)
         layer.bias.weight_loader(layer.bias, bias)
         partial_sum += F.linear(X[:, rank * 12 : (rank + 1) * 12], layer.weight)
@@ -93,10 +96,10 @@ def test_vocab_parallel_embedding_and_lm_head_recombine() -> None:
     hidden = torch.randn(3, dim)
     embedded, logits = torch.zeros(len(ids), dim), []
     for rank in range(2):
-        embedding = VocabParallelEmbedding(vocab, dim, tp_rank=rank, tp_size=2)
+        embedding = VocabParallelEmbedding(vocab, dim, placement=RankPlacement(tp_rank=rank, tp_size=2))
         embedding.weight.weight_loader(embedding.weight, table)
         embedded += embedding(ids)  # the all-reduce, by hand
-        head = ParallelLMHead(vocab, dim, tp_rank=rank, tp_size=2)
+        head = ParallelLMHead(vocab, dim, placement=RankPlacement(tp_rank=rank, tp_size=2))
         head.weight.weight_loader(head.weight, table)
         logits.append(F.linear(hidden, head.weight))
     assert torch.allclose(embedded, table[ids])

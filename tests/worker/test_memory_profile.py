@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tessera.config import EngineConfig
+from tessera.executor.kv_sizing import bytes_per_block, kv_cache_budget, profile_batch
 from tessera.executor.uniproc import UniProcExecutor
-from tessera.worker.memory_profile import MemoryProfile, kv_cache_budget, profile_batch
+from tessera.worker.memory_profile import MemoryProfile
 from tessera.worker.worker import Worker
 
 GIB = 2**30
@@ -93,7 +94,11 @@ def test_a_profiled_rank_runs_the_batch_forgets_it_and_sizes_its_cache_by_what_i
     assert not worker.runner.requests and not worker.runner.failed  # the profile's requests are gone
     num_layers = worker.runner.model.kv_cache_spec[0]
     budget = int((5 * GIB - 4 * GIB) / (1 + 1.25 / num_layers))
-    assert num_blocks == budget // worker.runner.bytes_per_block() == worker.runner.kv_caches[0].shape[1]
+    assert (
+        num_blocks
+        == budget // bytes_per_block(worker.runner.kv_cache_facts(), config.block_size)
+        == worker.runner.kv_caches[0].shape[1]
+    )
 
 
 def test_a_cpu_rank_or_a_given_size_is_not_profiled(tiny_llama_dir: Path) -> None:

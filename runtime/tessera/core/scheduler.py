@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from tessera.config import EngineConfig
 from tessera.core.kv_cache_manager import KVCacheManager
@@ -20,6 +21,23 @@ from tessera.wire.messages import EngineCoreOutput, PromptLogprobs, SchedulerSta
 from tessera.wire.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepBudget:
+    """What one step has left: tokens and sequences, and the tokens given each request so far."""
+
+    tokens: int
+    seqs: int
+    num_tokens: dict[str, int] = field(default_factory=dict)
+
+    def has_room(self) -> bool:
+        return self.tokens > 0 and self.seqs > 0
+
+    def take(self, request: Request, count: int) -> None:
+        self.num_tokens[request.request_id] = count
+        self.tokens -= count
+        self.seqs -= 1
 
 
 class Scheduler:
@@ -105,43 +123,41 @@ class Scheduler:
         return max(1, -(-active // self.pipeline_depth))
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        num_tokens: dict[str, int] = {}
         self.preempted_this_step = False
-        seqs_left = self._seqs_per_batch()
+        step = _StepBudget(self.max_num_batched_tokens, self._seqs_per_batch())
+        self._schedule_running(step)
+        # Admit waiting requests only when nothing was preempted: otherwise they would
+        # take the blocks the preempted ones need to come back.
+        if not self.preempted_this_step:
+            self._schedule_waiting(step)
+        return self._make_output(step.num_tokens)
 
+    def _schedule_running(self, step: _StepBudget) -> None:
+        """The running requests' next tokens, oldest first, preempting the newest for room."""
         index = 0
-        while index < len(self.running) and budget > 0 and seqs_left > 0:
+        while index < len(self.running) and step.has_room():
             request = self.running[index]
-            count = self._tokens_to_schedule(request, budget)
+            count = self._tokens_to_schedule(request, step.tokens)
             if count == 0:  # everything in flight already (pipeline parallelism)
                 index += 1
                 continue
             if not self._allocate_or_preempt(request, count):
                 break
-            num_tokens[request.request_id] = count
-            budget -= count
-            seqs_left -= 1
+            step.take(request, count)
             index += 1
 
-        # Admit waiting requests only when nothing was preempted: otherwise they would
-        # take the blocks the preempted ones need to come back.
-        while (
-            not self.preempted_this_step
-            and self.waiting
-            and budget > 0
-            and seqs_left > 0
-            and len(self.running) < self.max_num_seqs
-        ):
+    def _schedule_waiting(self, step: _StepBudget) -> None:
+        """Waiting requests in order, each from its longest cached prefix, while they fit."""
+        while self.waiting and step.has_room() and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens
             # Without chunked prefill a prompt runs whole; only a request resumed after preemption
             # (prompt + outputs) can exceed a full step, and it is chunked rather than left waiting forever.
             must_be_whole = not self.enable_chunked_prefill and remaining <= self.max_num_batched_tokens
-            if must_be_whole and remaining > budget:
+            if must_be_whole and remaining > step.tokens:
                 break
-            count = min(remaining, budget)
+            count = min(remaining, step.tokens)
             if self.long_prefill_token_threshold:
                 count = min(count, self.long_prefill_token_threshold)
             if not self.kv.allocate_slots(request, count, hits):
@@ -154,10 +170,11 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
                 request.first_scheduled_time = time.time()
             self.running.append(request)
-            num_tokens[request.request_id] = count
-            budget -= count
-            seqs_left -= 1
+            step.take(request, count)
 
+    def _make_output(self, num_tokens: dict[str, int]) -> SchedulerOutput:
+        """What the workers get: each scheduled request's tokens and blocks (its data if new to
+        them), and the requests they drop."""
         output = SchedulerOutput()
         if num_tokens:  # an empty step is not sent: its finished ids wait for the next one
             output.finished_request_ids, self.finished_ids = self.finished_ids, []

@@ -1,6 +1,6 @@
 """Process groups of this rank: the world, its tensor-parallel group, and its pipeline neighbours.
 
-The layers never read ranks from here (they receive ``tp_rank`` / ``tp_size`` when built, so
+The layers never read ranks from here (they are built from a ``topology.RankPlacement``, so
 a model can be built and tested for any rank in one process); only the collectives in
 ``communication.py`` and the stage-to-stage transfers in ``pipeline.py`` look up their group.
 Until ``init_distributed`` runs, every group is this process alone and every collective a no-op.

@@ -13,8 +13,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from tessera.config import EngineConfig
+from tessera.executor.kv_sizing import decide_num_blocks, profile_batch
 from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
-from tessera.worker.memory_profile import profile_batch
+from tessera.worker.memory_profile import KVCacheFacts
 from tessera.worker.worker import STEP_TIMEOUT_S
 
 
@@ -46,15 +47,16 @@ class Executor(ABC):
             raise ExecutorFailedError(f"a step got no answer in {STEP_TIMEOUT_S:.0f} s") from None
 
     def initialize_kv_cache(self, config: EngineConfig) -> int:
-        """Every rank's cache, as many blocks as the smallest can hold. GPU ranks first run one
-        step of the largest batch on a cache made for it alone (memory_profile.py): what they
-        size is then what is left after such a step."""
+        """Every rank's cache, as many blocks as the smallest can hold (kv_sizing.py decides).
+        GPU ranks first run one step of the largest batch on a cache made for it alone
+        (memory_profile.py): what they measure is then what is left after such a step."""
         if any(self.collective_rpc("needs_memory_profile")):
             batch, num_blocks = profile_batch(config, self.max_model_len)
             self.collective_rpc("begin_memory_profile", (num_blocks,))
             self.execute_model(batch)
             self.collective_rpc("end_memory_profile")
-        self.num_kv_blocks = min(self.collective_rpc("determine_num_blocks"))
+        ranks = [KVCacheFacts(**facts) for facts in self.collective_rpc("kv_cache_facts")]
+        self.num_kv_blocks = decide_num_blocks(config, ranks, self.max_model_len)
         self.collective_rpc("init_kv_cache", (self.num_kv_blocks,))
         return self.num_kv_blocks
 

@@ -22,7 +22,7 @@ from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from tessera.models.layers.linear import QKVParallelLinear, RowParallelLinear, SiluGatedLinear, copy_checked
 from tessera.models.layers.norm import RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
-from tessera.topology import split_layers
+from tessera.topology import SINGLE_RANK, RankPlacement
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 STACKED_PARAMS: list[tuple[str, str, Any]] = [
@@ -80,9 +80,7 @@ class PPMissingLayer(nn.Identity):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, config: Any, layer: int, dtype: torch.dtype, tp_rank: int, tp_size: int, sp: bool = False
-    ) -> None:
+    def __init__(self, config: Any, layer: int, dtype: torch.dtype, placement: RankPlacement) -> None:
         super().__init__()
         hidden = config.hidden_size
         heads = config.num_attention_heads
@@ -97,18 +95,14 @@ class LlamaAttention(nn.Module):
             kv_heads,
             bias=qkv_bias,
             params_dtype=dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            sequence_parallel=sp,
+            placement=placement,
         )
         self.o_proj = RowParallelLinear(
             heads * head_dim,
             hidden,
             bias=o_bias,
             params_dtype=dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            sequence_parallel=sp,
+            placement=placement,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -140,7 +134,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype, tp_rank: int, tp_size: int, sp: bool = False) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, placement: RankPlacement) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"activation {config.hidden_act!r} is not supported (silu is)")
@@ -151,18 +145,14 @@ class LlamaMLP(nn.Module):
             [inter, inter],
             bias=bias,
             params_dtype=dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            sequence_parallel=sp,
+            placement=placement,
         )
         self.down_proj = RowParallelLinear(
             inter,
             config.hidden_size,
             bias=bias,
             params_dtype=dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            sequence_parallel=sp,
+            placement=placement,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,13 +163,11 @@ class LlamaDecoderLayer(nn.Module):
     """Norms and residual adds run on whatever rows arrive: all tokens, or with sequence
     parallelism this rank's shard of them (the linears gather and scatter around themselves)."""
 
-    def __init__(
-        self, config: Any, layer: int, dtype: torch.dtype, tp_rank: int, tp_size: int, sp: bool = False
-    ) -> None:
+    def __init__(self, config: Any, layer: int, dtype: torch.dtype, placement: RankPlacement) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer, dtype, tp_rank, tp_size, sp)
-        self.mlp = LlamaMLP(config, dtype, tp_rank, tp_size, sp)
+        self.self_attn = LlamaAttention(config, layer, dtype, placement)
+        self.mlp = LlamaMLP(config, dtype, placement)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
 
@@ -202,27 +190,24 @@ class LlamaModel(nn.Module):
         self,
         config: Any,
         dtype: torch.dtype,
-        tp_rank: int,
-        tp_size: int,
-        layer_range: tuple[int, int],
-        is_first_stage: bool,
-        is_last_stage: bool,
-        sp: bool = False,
+        placement: RankPlacement,
     ) -> None:
         super().__init__()
-        self.start_layer, self.end_layer = layer_range
+        self.start_layer, self.end_layer = placement.stage_layers(config.num_hidden_layers)
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size, sp)
-            if is_first_stage
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, placement)
+            if placement.is_first_stage
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, tp_rank, tp_size, sp)
+            LlamaDecoderLayer(config, i, dtype, placement)
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if is_last_stage else None
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if placement.is_last_stage else None
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -232,35 +217,22 @@ class LlamaForCausalLM(nn.Module):
         self,
         config: Any,
         dtype: torch.dtype,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        pp_rank: int = 0,
-        pp_size: int = 1,
-        layer_partition: list[int] | None = None,
-        sequence_parallel: bool = False,
+        placement: RankPlacement = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.placement = placement
         self.num_layers = config.num_hidden_layers
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.sequence_parallel = sequence_parallel and tp_size > 1
-        self.layer_range = split_layers(self.num_layers, pp_size, layer_partition)[pp_rank]
-        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        self.tp_size = placement.tp_size
+        self.sequence_parallel = placement.shards_tokens
+        self.layer_range = placement.stage_layers(self.num_layers)
+        self.is_first_stage, self.is_last_stage = placement.is_first_stage, placement.is_last_stage
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(
-            config,
-            dtype,
-            tp_rank,
-            tp_size,
-            self.layer_range,
-            self.is_first_stage,
-            self.is_last_stage,
-            self.sequence_parallel,
-        )
+        self.model = LlamaModel(config, dtype, placement)
         self.lm_head: ParallelLMHead | None = None
         if self.is_last_stage:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, placement)
             if self.tie_word_embeddings and self.model.embed_tokens is not None:
                 self.lm_head.tie_to(self.model.embed_tokens)
         first_attention = self._local_layers()[0].self_attn

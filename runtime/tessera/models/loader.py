@@ -21,6 +21,7 @@ from tessera.models.decoder_stack import build_decoder_stack
 from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
 from tessera.models.layers.linear import gemm_backend, process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
+from tessera.topology import SINGLE_RANK, RankPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +72,10 @@ def load_model(
     *,
     dtype: torch.dtype,
     device: torch.device | str,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    layer_partition: list[int] | None = None,
-    sequence_parallel: bool = False,
+    placement: RankPlacement = SINGLE_RANK,
 ) -> LlamaForCausalLM:
-    """This rank's part of the model in ``folder``, on ``device`` in ``dtype``, ready for inference."""
+    """This rank's part of the model in ``folder`` (``placement``: which part), on ``device`` in
+    ``dtype``, ready for inference."""
     started = time.monotonic()
     folder = Path(folder)
     device = torch.device(device)
@@ -95,16 +92,7 @@ def load_model(
             f"{folder} holds a quantized checkpoint ({method}): only unquantized fp32/fp16/bf16 weights load"
         )
     with torch.device(device):
-        model = model_class(
-            config,
-            dtype=dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            pp_rank=pp_rank,
-            pp_size=pp_size,
-            layer_partition=layer_partition,
-            sequence_parallel=sequence_parallel,
-        )
+        model = model_class(config, dtype=dtype, placement=placement)
     with torch.no_grad():
         loaded = model.load_weights(iterate_lazily(safetensors_files(folder)))
     missing = model.missing_parameters(loaded)
@@ -120,8 +108,8 @@ def load_model(
         start,
         end,
         model.num_layers,
-        tp_rank,
-        tp_size,
+        placement.tp_rank,
+        placement.tp_size,
         dtype,
         device,
         time.monotonic() - started,
@@ -139,7 +127,7 @@ def select_gemm_backends(folder: Path, *, dtype: torch.dtype, tp_size: int = 1) 
     each layer's backend (``gemm_backend``); ValueError for a ``tp_size`` the model does not split over."""
     config: Any = copy.copy(load_hf_config(folder))  # config.json's fields are its attributes
     config.num_hidden_layers = 1  # every layer has the same shapes
-    model = model_class_for(config)(config, dtype=dtype, tp_size=tp_size)
+    model = model_class_for(config)(config, dtype=dtype, placement=RankPlacement(tp_size=tp_size))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():  # not torch.empty's garbage: denormals time slower

@@ -1,33 +1,20 @@
-"""A GPU rank's KV cache, sized as vLLM sizes it: what `gpu_memory_utilization` of the device
-leaves after the weights, the peak a step allocates on top of them, and the memory torch does
-not hold (the CUDA context, NCCL's buffers).
+"""What a rank measures for its KV cache; ``executor/kv_sizing.py`` decides the size from it.
 
-The peak is measured, not guessed: before the cache exists, every rank runs one step of the
-largest batch the scheduler can make (max_num_batched_tokens prompt tokens over up to
-max_num_seqs requests, each sampled) on a cache just big enough for it. Free memory read after
-loading the weights alone would leave no room for that step: the first large batch would run
-out of memory. CPU ranks take a fixed budget (kv_cache_memory) and are not profiled.
+A GPU rank's cache is sized as vLLM sizes it: what `gpu_memory_utilization` of the device
+leaves after the weights, the peak a step allocates on top of them, and the memory torch does
+not hold (the CUDA context, NCCL's buffers). The peak is measured, not guessed: before the
+cache exists, every rank runs one step of the largest batch the scheduler can make on a cache
+just big enough for it. Free memory read after loading the weights alone would leave no room
+for that step: the first large batch would run out of memory. CPU ranks take a fixed budget
+(kv_cache_memory) and are not profiled.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from tessera.config import EngineConfig
-from tessera.core.request import Request
-from tessera.core.scheduler import Scheduler
-from tessera.sampling_params import SamplingParams
-from tessera.wire.messages import EngineCoreRequest
-from tessera.wire.sched_output import SchedulerOutput
-
-PROFILE_REQUEST_PREFIX = "tessera-memory-profile-"
-# The torch attention path gathers a decode batch's context of one layer at a time into a
-# workspace that grows by a quarter: at most this share of one layer's cache beyond the cache.
-DECODE_WORKSPACE_SHARE = 1.25
 
 
 class DeviceMemory(Protocol):
@@ -73,26 +60,23 @@ class MemoryProfile:
     outside_torch: int  # bytes used on the device that torch's allocator does not hold
 
 
-def kv_cache_budget(profile: MemoryProfile, total: int, utilization: float, num_layers: int) -> int:
-    """Bytes for the KV cache: the device's share less the rest, and less the decode workspace
-    that grows with the cache itself (one layer's share of it)."""
-    left = int(total * utilization) - profile.weights - profile.step_peak - profile.outside_torch
-    return max(0, int(left / (1 + DECODE_WORKSPACE_SHARE / num_layers)))
+@dataclass(frozen=True)
+class KVCacheFacts:
+    """What one rank tells the sizing: its cache's shape and, on a GPU, its profile. Builtins
+    only: it crosses the rank channel as a dict (``KVCacheFacts(**facts)`` rebuilds it)."""
 
+    num_layers: int  # this rank's layers (its pipeline stage's)
+    num_kv_heads: int  # this rank's share of them (tensor parallelism)
+    head_dim: int
+    element_size: int  # bytes of one cache element
+    on_gpu: bool
+    device_total: int | None = None  # a GPU's memory
+    weights: int | None = None  # the MemoryProfile, once one ran
+    step_peak: int | None = None
+    outside_torch: int | None = None
 
-def profile_batch(config: EngineConfig, max_model_len: int) -> tuple[SchedulerOutput, int]:
-    """The largest batch one step can carry, as the scheduler makes it, and the blocks it needs."""
-    budget = config.max_num_batched_tokens
-    count = max(1, min(config.max_num_seqs, budget))
-    length = max(1, min(budget // count, max_model_len - 1))  # every prompt whole: each is sampled
-    num_blocks = count * -(-(length + 1) // config.block_size)
-    # No prefix caching (the prompts are all alike and must all be computed), no chunk cap.
-    settings = {"enable_prefix_caching": False, "long_prefill_token_threshold": 0}
-    scheduler = Scheduler(config.model_copy(update=settings), num_blocks, max_model_len)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    for index in range(count):
-        request = EngineCoreRequest(
-            f"{PROFILE_REQUEST_PREFIX}{index}", [0] * length, params, None, time.time()
-        )
-        scheduler.add_request(Request.from_engine_core_request(request))
-    return scheduler.schedule(), num_blocks
+    @property
+    def profile(self) -> MemoryProfile | None:
+        if self.weights is None or self.step_peak is None or self.outside_torch is None:
+            return None
+        return MemoryProfile(self.weights, self.step_peak, self.outside_torch)

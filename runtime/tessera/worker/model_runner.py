@@ -28,13 +28,10 @@ from tessera.sampling_params import SamplingParams
 from tessera.topology import Topology
 from tessera.wire.messages import PromptLogprobs, TokenLogprobs
 from tessera.wire.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tessera.worker.memory_profile import CudaMemory, DeviceMemory, MemoryProfile, kv_cache_budget
+from tessera.worker.memory_profile import CudaMemory, DeviceMemory, KVCacheFacts, MemoryProfile
 from tessera.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, logprobs_of
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
-
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions scored per LM-head call
 
@@ -87,17 +84,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         topology = topology or Topology(layout=config.parallel)
-        self.model = load_model(
-            model_dir,
-            dtype=dtype,
-            device=device,
-            tp_rank=topology.tp_rank,
-            tp_size=topology.tp_size,
-            pp_rank=topology.pp_rank,
-            pp_size=topology.pp_size,
-            layer_partition=topology.layer_partition,
-            sequence_parallel=topology.sequence_parallel,
-        )
+        self.model = load_model(model_dir, dtype=dtype, device=device, placement=topology.placement)
         context = self.model.max_context
         if config.max_model_len is not None and config.max_model_len > context:
             # Positions past the RoPE table have no meaning the model was trained for (vLLM refuses too).
@@ -115,7 +102,7 @@ class ModelRunner:
         self.paused_generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self._steps, self._step_seconds = 0, 0.0
-        # GPU ranks size their cache by what a profiled step leaves (memory_profile.py).
+        # GPU ranks measure what a profiled step leaves (memory_profile.py) for the sizing.
         self.memory: DeviceMemory | None = CudaMemory(device) if device.type == "cuda" else None
         self.memory_profile: MemoryProfile | None = None
         self._profile_base = 0
@@ -126,12 +113,7 @@ class ModelRunner:
     def reset_step_stats(self) -> None:
         self._steps, self._step_seconds = 0, 0.0
 
-    # -- KV cache -------------------------------------------------------------------------------
-    def bytes_per_block(self) -> int:
-        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * element_size
-
+    # -- KV cache: measured here, sized by executor/kv_sizing.py ---------------------------------
     def needs_memory_profile(self) -> bool:
         """A GPU rank with no cache size given sizes it by a profiled step."""
         return (
@@ -143,7 +125,7 @@ class ModelRunner:
     def begin_memory_profile(self, num_blocks: int) -> None:
         """A cache for the profile's batch alone; the step that follows is measured."""
         assert self.memory is not None
-        self._allocate_kv_cache(num_blocks)
+        self.init_kv_cache(num_blocks)
         self._profile_base = self.memory.allocated()
         self.memory.reset_peak()
 
@@ -164,33 +146,28 @@ class ModelRunner:
             *(value / 2**30 for value in (self.memory_profile.weights, step_peak, outside_torch)),
         )
 
-    def determine_num_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.memory is not None and self.memory_profile is not None:
-                _free, total = self.memory.free_and_total()
-                num_layers = self.model.kv_cache_spec[0]
-                utilization = self.config.gpu_memory_utilization
-                budget = kv_cache_budget(self.memory_profile, total, utilization, num_layers)
-            elif self.memory is not None:
-                raise RuntimeError("a GPU rank sizes its KV cache after a memory profile (none was run)")
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        return max(budget // self.bytes_per_block(), 0)
+    def kv_cache_facts(self) -> KVCacheFacts:
+        """This rank's cache shape and, on a GPU, its profile and the device's memory."""
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        if self.memory is None:
+            return KVCacheFacts(num_layers, num_kv_heads, head_dim, element_size, on_gpu=False)
+        _free, total = self.memory.free_and_total()
+        profile = self.memory_profile
+        return KVCacheFacts(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            element_size,
+            on_gpu=True,
+            device_total=total,
+            weights=None if profile is None else profile.weights,
+            step_peak=None if profile is None else profile.step_peak,
+            outside_torch=None if profile is None else profile.outside_torch,
+        )
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens "
-                f"({num_blocks * self.block_size} tokens), fewer than max_model_len={self.max_model_len}: "
-                "raise kv_cache_memory / num_kv_blocks (or gpu_memory_utilization) or lower max_model_len"
-            )
-        self._allocate_kv_cache(num_blocks)
-
-    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        """A cache of the size the executor decided (kv_sizing.py), or the profile's."""
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
         shape = (2, num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]

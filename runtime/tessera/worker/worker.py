@@ -9,6 +9,7 @@ TP rank 0 returns sampled tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,9 @@ class Worker:
     def end_memory_profile(self) -> None:
         self.runner.end_memory_profile()
 
-    def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks()
+    def kv_cache_facts(self) -> dict[str, int | bool | None]:
+        """What the KV sizing needs of this rank, as builtins (it crosses the rank channel)."""
+        return dataclasses.asdict(self.runner.kv_cache_facts())
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)

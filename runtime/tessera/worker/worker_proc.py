@@ -40,7 +40,7 @@ CALLABLE = frozenset(
         "needs_memory_profile",
         "begin_memory_profile",
         "end_memory_profile",
-        "determine_num_blocks",
+        "kv_cache_facts",
         "init_kv_cache",
         "comm_stats",
         "reset_comm_stats",

@@ -13,7 +13,10 @@ from tessera.distributed.communication import (
     tp_all_reduce,
     tp_reduce_scatter,
 )
-from tessera.models.layers.linear import PackedWeight, linear
+from tessera.kernels.gemm import PackedWeight
+from tessera.kernels.gemm_selection import LM_HEAD_ROWS
+from tessera.models.layers.linear import linear, pack_weight
+from tessera.topology import SINGLE_RANK, RankPlacement
 
 # Padding the vocabulary to a multiple of this (per rank) keeps matmul shapes friendly.
 VOCAB_PADDING = 64
@@ -30,18 +33,16 @@ class VocabParallelEmbedding(nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        sequence_parallel: bool = False,
+        placement: RankPlacement = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = placement.tp_rank, placement.tp_size
         # Sequence parallelism: sum the partial embeddings by reduce-scatter, keep a token shard.
-        self.scatter_output = sequence_parallel and tp_size > 1
-        self.num_embeddings_padded = pad_vocab(num_embeddings, tp_size)
-        self.per_partition = self.num_embeddings_padded // tp_size
-        self.vocab_start = tp_rank * self.per_partition
+        self.scatter_output = placement.shards_tokens
+        self.num_embeddings_padded = pad_vocab(num_embeddings, self.tp_size)
+        self.per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start = self.tp_rank * self.per_partition
         self.vocab_end = self.vocab_start + self.per_partition
         self.weight = nn.Parameter(
             torch.empty(self.per_partition, embedding_dim, dtype=params_dtype), requires_grad=False
@@ -80,11 +81,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         num_embeddings: int,
         embedding_dim: int,
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        placement: RankPlacement = SINGLE_RANK,
     ) -> None:
-        super().__init__(num_embeddings, embedding_dim, params_dtype, tp_rank, tp_size)
+        super().__init__(num_embeddings, embedding_dim, params_dtype, placement)
         self.packed_weight = None  # set by process_weights_after_loading
+
+    def pack_weights(self) -> None:
+        """The fastest GEMM form of the head's weight (a copy: a tied embedding still looks
+        rows up in the dense one)."""
+        self.packed_weight = pack_weight(self.weight.data, LM_HEAD_ROWS)
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

@@ -2,7 +2,8 @@
 
 Every parameter carries a ``weight_loader(param, loaded_weight[, shard_id])`` that copies
 this rank's slice of a full checkpoint tensor into it, so the loader streams checkpoint
-tensors one by one without knowing how each layer is sharded. With ``tp_size == 1`` every
+tensors one by one without knowing how each layer is sharded. Each layer is built from its
+rank's ``RankPlacement`` (tessera.topology). With one tensor-parallel rank every
 slice is the whole tensor and the layers are plain ``F.linear``.
 
 On CPU, ``process_weights_after_loading`` puts every weight once in the form of the GEMM
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +29,10 @@ from tessera.distributed.communication import (
     tp_reduce_scatter,
 )
 from tessera.kernels.gemm import AtenWeight, GatedPanelWeight, PackedWeight
-from tessera.kernels.gemm_selection import LAYER_ROWS, LM_HEAD_ROWS, select_backend, select_swiglu_product
+from tessera.kernels.gemm_selection import LAYER_ROWS, select_backend, select_swiglu_product
 from tessera.models.checkpoint import CheckpointTensor, materialize
 from tessera.models.layers.activation import silu_and_mul
+from tessera.topology import SINGLE_RANK, RankPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +68,14 @@ def linear(
     if packed is not None:
         return packed.matmul(x, bias, may_pad_rows)
     return F.linear(x, weight, bias)
+
+
+@runtime_checkable
+class PacksWeights(Protocol):
+    """A layer that puts its weights in their fastest GEMM form once loaded: every linear layer
+    and the LM head (embedding.py), which this module does not import (embedding imports it)."""
+
+    def pack_weights(self) -> None: ...
 
 
 class LinearBase(nn.Module):
@@ -157,18 +168,16 @@ class ColumnParallelLinear(LinearBase):
         bias: bool = False,
         gather_output: bool = False,
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        placement: RankPlacement = SINGLE_RANK,
         output_sizes: list[int] | None = None,
-        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = placement.tp_rank, placement.tp_size
         # Sequence parallelism: the input arrives sharded over tokens and is gathered here.
-        self.gather_input = sequence_parallel and tp_size > 1
+        self.gather_input = placement.shards_tokens
         self.input_size = input_size
         self.output_sizes = output_sizes or [output_size]
-        self.output_size_per_partition = divide(output_size, tp_size)
+        self.output_size_per_partition = divide(output_size, self.tp_size)
         self.gather_output = gather_output
         shard = self.output_size_per_partition
         self.create_weights((shard, input_size), shard if bias else None, params_dtype)
@@ -196,21 +205,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         output_sizes: list[int],
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        sequence_parallel: bool = False,
+        placement: RankPlacement = SINGLE_RANK,
     ) -> None:
         for size in output_sizes:
-            divide(size, tp_size)
+            divide(size, placement.tp_size)
         super().__init__(
             input_size,
             sum(output_sizes),
             bias=bias,
             params_dtype=params_dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            placement=placement,
             output_sizes=output_sizes,
-            sequence_parallel=sequence_parallel,
         )
 
     def weight_loader(  # type: ignore[override]
@@ -276,11 +281,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int,
         bias: bool = False,
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        sequence_parallel: bool = False,
+        placement: RankPlacement = SINGLE_RANK,
     ) -> None:
         self.head_dim = head_dim
+        tp_size = placement.tp_size
         if total_num_heads % tp_size:
             raise ValueError(
                 f"{total_num_heads} attention heads do not split over tensor_parallel_size={tp_size}: "
@@ -304,9 +308,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             (q_size + 2 * kv_size) * tp_size,
             bias=bias,
             params_dtype=params_dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            sequence_parallel=sequence_parallel,
+            placement=placement,
         )
         self.q_size, self.kv_size = q_size, kv_size
         self.total_q_size, self.total_kv_size = total_num_heads * head_dim, total_num_kv_heads * head_dim
@@ -339,15 +341,13 @@ class RowParallelLinear(LinearBase):
         bias: bool = False,
         reduce_results: bool = True,
         params_dtype: torch.dtype | None = None,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        sequence_parallel: bool = False,
+        placement: RankPlacement = SINGLE_RANK,
     ) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.input_size_per_partition = divide(input_size, tp_size)
+        self.tp_rank, self.tp_size = placement.tp_rank, placement.tp_size
+        self.input_size_per_partition = divide(input_size, self.tp_size)
         self.reduce_results = reduce_results
-        self.scatter_output = sequence_parallel and tp_size > 1
+        self.scatter_output = placement.shards_tokens
         # The bias is whole on every rank (added once, after the reduction).
         self.create_weights(
             (output_size, self.input_size_per_partition),
@@ -379,16 +379,11 @@ def process_weights_after_loading(model: nn.Module) -> None:
     A linear layer's dense copy is released when a packed form replaces it; the LM head keeps its own, which the (tied)
     embedding looks rows up in.
     """
-    from tessera.models.layers.embedding import ParallelLMHead  # embedding imports this module
-
     backends: dict[str, set[str]] = {}  # layer name (last part) -> the backends its weights run on
     for name, module in model.named_modules():
-        if isinstance(module, LinearBase):
-            module.pack_weights()
-        elif isinstance(module, ParallelLMHead):
-            module.packed_weight = pack_weight(module.weight.data, LM_HEAD_ROWS)
-        else:
+        if not isinstance(module, PacksWeights):
             continue
+        module.pack_weights()
         backend = gemm_backend(module)
         if backend is not None:
             backends.setdefault(name.rpartition(".")[2] or type(module).__name__, set()).add(backend)
@@ -399,7 +394,7 @@ def process_weights_after_loading(model: nn.Module) -> None:
         )
 
 
-def gemm_backend(module: nn.Module) -> str | None:
+def gemm_backend(module: object) -> str | None:
     """The GEMM backend a packed layer multiplies with (``gated`` with SwiGLU in its epilogue),
     None where ``F.linear`` on the dense weight is the kernel (off CPU)."""
     gated = getattr(module, "gated_weight", None)
