@@ -23,8 +23,9 @@
 #include <cstring>
 #include <vector>
 
-#include "amx_gemm.h"
+#include "amx_tiles.h"
 #include "paged_attention.h"
+#include "simd.h"
 
 namespace tessera::amx_attention {
 
