@@ -27,7 +27,9 @@ inline bool amx_gemm_available() {
 #endif
 }
 
-inline void check_amx(const torch::Tensor& t, const char* name) {
+namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+
+void check_amx(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(amx_gemm_available(), "the AMX GEMM does not run on this CPU");
   TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, ": the AMX GEMM multiplies bf16, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, " must be a contiguous 2-D tensor");
@@ -102,6 +104,8 @@ torch::Tensor multiply_amx_panels(const torch::Tensor& x, const torch::Tensor& p
 #endif
   return out;
 }
+
+}  // namespace
 
 // bf16 weight [N, K] -> its AMX panels, [ceil(N / 32), padded K * 32].
 inline torch::Tensor amx_pack_weight(torch::Tensor weight) {

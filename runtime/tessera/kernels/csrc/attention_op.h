@@ -21,6 +21,8 @@
 
 namespace tessera {
 
+namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+
 template <typename T>
 void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
                           const torch::Tensor& v, torch::Tensor& kv_cache,
@@ -120,14 +122,16 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   }
 }
 
-inline void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
 }
 
-inline void check_int64(const torch::Tensor& t, const char* name) {
+void check_int64(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.device().is_cpu(), name,
               " must be a contiguous int64 CPU tensor");
 }
+
+}  // namespace
 
 // out[N, H*D] = softmax(q k^T * scale) v over each sequence's paged context, after writing the
 // new tokens' k/v [N, KVH*D] into kv_cache [2, blocks, block_size, KVH, D] at slot_mapping.

@@ -2,7 +2,12 @@
 //
 // All kernels accumulate in fp32 for every input dtype. Work is split with OpenMP on the same
 // runtime (libgomp) and thread count as torch, so torch.set_num_threads governs these kernels too.
-// One translation unit: the headers define the ops inline, compiled once.
+//
+// One translation unit: this file includes the op headers, which define the ops inline. Their
+// helpers sit in unnamed namespaces, local to this unit as they were when all of it was one .cpp:
+// GCC then inlines a helper called once (the parallel_for bodies into their OpenMP functions),
+// where with external linkage it called them through the PLT. Several units would compile
+// torch's headers once each.
 
 #include <torch/extension.h>
 

@@ -18,6 +18,8 @@
 
 namespace tessera {
 
+namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+
 template <typename T>
 void rms_norm_impl(T* xs, T* rs, T* os, const T* w, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -91,6 +93,8 @@ void rotary_impl(T* xs, const T* cs, int64_t rows, int64_t heads, int64_t dim, i
     }
   });
 }
+
+}  // namespace
 
 // With a residual: residual += x, then x = rmsnorm(residual) * weight (both in place, one pass
 // per row), returning x. Without one (an empty tensor): returns rmsnorm(x) * weight, x untouched.

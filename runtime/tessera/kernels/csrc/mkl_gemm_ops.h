@@ -16,6 +16,8 @@ namespace tessera {
 // MKL statically and exports these entry points; they are looked up at run time, so a torch
 // without MKL just reports them unavailable.
 
+namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+
 constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCblasBMatrix = 162,
               kCblasPacked = 151;
 
@@ -37,13 +39,15 @@ struct MklPacked {
   bool available() const { return get_size != nullptr && pack != nullptr && compute != nullptr; }
 };
 
-inline const MklPacked& mkl() {
+const MklPacked& mkl() {
   static const MklPacked instance;
   return instance;
 }
 
 // The row count MKL is told when packing; the packed layout serves any row count.
 constexpr int kPackRowsHint = 64;
+
+}  // namespace
 
 inline bool mkl_packed_gemm_available() { return mkl().available(); }
 

@@ -29,7 +29,9 @@ inline std::vector<std::string> panel_gemm_dtypes() {
   return dtypes;
 }
 
-inline void check_panel_dtype(const torch::Tensor& t, const char* name) {
+namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+
+void check_panel_dtype(const torch::Tensor& t, const char* name) {
   const auto dtype = t.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat32 && panels::kFp32) || (dtype == torch::kBFloat16 && panels::kBf16), name,
               ": the panel GEMM does not multiply ", dtype, " on this CPU");
@@ -150,6 +152,8 @@ torch::Tensor multiply_panels(const torch::Tensor& x, const torch::Tensor& packe
 #endif
   return out;
 }
+
+}  // namespace
 
 // weight [N, K] (fp32, or bf16 with K even) -> its panels, [ceil(N / C), K * C] of the same dtype
 // (C = panels::kCols: 48 on AVX-512, 16 on AVX2).

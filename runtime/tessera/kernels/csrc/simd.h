@@ -56,19 +56,31 @@ struct LaneBits<float> {
   using type = uint32_t;
 };
 
-// The bits of the bf16 nearest to f, ties to even, NaN a quiet NaN (the rounding torch's own bf16
-// casts do), in the low half of each 32-bit lane: for a float or a vector of floats (fvec,
-// __m256, __m512). The one bf16 rounding of these kernels: every narrowing goes through it.
-template <typename Floats>
-inline typename LaneBits<Floats>::type bf16_bits(Floats f) {
+// The bf16 nearest to f, ties to even, NaN a quiet NaN (the rounding torch's own bf16 casts do),
+// for a float or a vector of floats (fvec, __m256, __m512): the one bf16 rounding of these
+// kernels, every narrowing goes through it. Each 32-bit lane holds the bf16's bits in its high
+// half (kHighHalf: the fp32 value it rounds to) or in its low half. The two are one rounding
+// placed where each caller wants it: a shift of the other placement cost the fused SwiGLU
+// epilogues extra instructions (GCC does not move it through the NaN select).
+template <bool kHighHalf, typename Floats>
+inline typename LaneBits<Floats>::type bf16_rounded(Floats f) {
   using Bits = typename LaneBits<Floats>::type;
   Bits bits;
   if constexpr (std::is_same_v<Floats, float>)
     std::memcpy(&bits, &f, sizeof(bits));
   else
     bits = reinterpret_cast<Bits>(f);
-  const Bits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return f != f ? Bits{} + 0x7FC0u : rounded;
+  const Bits nearest = bits + 0x7FFFu + ((bits >> 16) & 1u);
+  if constexpr (kHighHalf)
+    return f != f ? Bits{} + 0x7FC00000u : nearest & 0xFFFF0000u;
+  else
+    return f != f ? Bits{} + 0x7FC0u : nearest >> 16;
+}
+
+// The bf16 nearest to f, in the low half of each 32-bit lane.
+template <typename Floats>
+inline typename LaneBits<Floats>::type bf16_bits(Floats f) {
+  return bf16_rounded<false>(f);
 }
 
 template <typename T>
@@ -172,7 +184,7 @@ inline fvec roundv_to(fvec v) {
     return v;
   } else {
     static_assert(IsBf16<T>::value, "fp32 or bf16");
-    return reinterpret_cast<fvec>(bf16_bits(v) << 16);
+    return reinterpret_cast<fvec>(bf16_rounded<true>(v));
   }
 }
 
@@ -182,7 +194,7 @@ inline void storev_as(T* p, fvec v) {
   if constexpr (std::is_same_v<T, float>) {
     storev(p, v);
   } else {
-    const hvec half = __builtin_convertvector(bf16_bits(v), hvec);
+    const hvec half = __builtin_convertvector(bf16_rounded<true>(v) >> 16, hvec);
     std::memcpy(p, &half, sizeof(half));
   }
 }
