@@ -1,24 +1,24 @@
-// The extension module: registers the ops, and nothing else (each op is in its own header).
+// The extension module: registers the ops, and nothing else (each op is in the .cpp of its idea).
 //
 // All kernels accumulate in fp32 for every input dtype. Work is split with OpenMP on the same
 // runtime (libgomp) and thread count as torch, so torch.set_num_threads governs these kernels too.
 //
-// One translation unit: this file includes the op headers, which define the ops inline. Their
-// helpers sit in unnamed namespaces, local to this unit as they were when all of it was one .cpp:
-// GCC then inlines a helper called once (the parallel_for bodies into their OpenMP functions),
-// where with external linkage it called them through the PLT. Several units would compile
-// torch's headers once each.
+// One translation unit (a unity build): this file includes each op's .cpp, so torch's headers are
+// compiled once, not once per op (a minute a build, for every ISA variant). Each .cpp stands
+// alone (it includes what it uses, its helpers in an unnamed namespace, its ops declared in
+// ops.h), so compiled as a unit of its own it would give the same code.
 
 #include <torch/extension.h>
 
-#include "amx_gemm_ops.h"
-#include "attention_op.h"
-#include "cache_eviction.h"
+#include "amx_gemm_ops.cpp"
+#include "attention_op.cpp"
+#include "cache_eviction.cpp"
 #include "decoder_stack.h"
-#include "elementwise_ops.h"
-#include "mkl_gemm_ops.h"
-#include "panel_gemm_ops.h"
-#include "thread_binding.h"
+#include "elementwise_ops.cpp"
+#include "mkl_gemm_ops.cpp"
+#include "ops.h"
+#include "panel_gemm_ops.cpp"
+#include "thread_binding.cpp"
 
 using namespace tessera;
 

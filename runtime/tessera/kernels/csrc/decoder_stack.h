@@ -20,11 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "amx_gemm_ops.h"
-#include "attention_op.h"
-#include "elementwise_ops.h"
-#include "mkl_gemm_ops.h"
-#include "panel_gemm_ops.h"
+#include "ops.h"
 
 // Hidden, as pybind11's own types are: a Linear holds a py::object.
 namespace tessera {

@@ -1,9 +1,8 @@
 // Dropping a weight from every cache level, so that the GEMM selection times each candidate as a
 // decode step meets it: in memory.
-#pragma once
-
 #include <cstdint>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace tessera {
@@ -14,7 +13,7 @@ namespace tessera {
 // On the Xeon with AMX, timed hot, MKL beat the panels on SmolLM2's QKV and O shapes by 1-2%;
 // evicted, the panels won both (64 rows: 300 against 374 us, 180 against 248; MKL's packed
 // buffers are 2-5x the weights' size).
-inline bool evict_from_caches(int64_t address, int64_t bytes) {
+bool evict_from_caches(int64_t address, int64_t bytes) {
 #if defined(__x86_64__) || defined(__aarch64__)
   const char* begin = reinterpret_cast<const char*>(address);
   for (int64_t offset = 0; offset < bytes; offset += kCacheLine) {

@@ -1,13 +1,12 @@
 // The AMX GEMM's ops (amx_gemm.h): packing a bf16 weight (plain or gated for SwiGLU), and x
 // times a packed weight over the OpenMP threads, with the plain or the SwiGLU epilogue.
-#pragma once
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 
+#include "ops.h"
 #include "amx_gemm.h"
 #include "amx_tiles.h"
 #include "packed_weights.h"
@@ -19,7 +18,7 @@ namespace tessera {
 
 // Whether the AMX GEMM (amx_gemm.h) runs here: built for a CPU with AMX-BF16, and the tile state
 // granted to this process.
-inline bool amx_gemm_available() {
+bool amx_gemm_available() {
 #if defined(TESSERA_AMX)
   return amx::request_tile_state();
 #else
@@ -27,7 +26,7 @@ inline bool amx_gemm_available() {
 #endif
 }
 
-namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+namespace {
 
 void check_amx(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(amx_gemm_available(), "the AMX GEMM does not run on this CPU");
@@ -108,12 +107,12 @@ torch::Tensor multiply_amx_panels(const torch::Tensor& x, const torch::Tensor& p
 }  // namespace
 
 // bf16 weight [N, K] -> its AMX panels, [ceil(N / 32), padded K * 32].
-inline torch::Tensor amx_pack_weight(torch::Tensor weight) {
+torch::Tensor amx_pack_weight(torch::Tensor weight) {
   return pack_amx_panels(weight, amx::panel_count(weight.size(0)), amx::PlainRows{weight.size(0)});
 }
 
 // x [M, K] times a weight packed by amx_pack_weight ([N, K] before), plus bias [N] when non-empty.
-inline torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias) {
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias) {
 #if defined(TESSERA_AMX)
   return multiply_amx_panels(x, packed, n, amx::panel_count(n), bias, amx::StoreRow{});
 #else
@@ -122,14 +121,14 @@ inline torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t n
 }
 
 // A SwiGLU gate_up weight [2W, K] (gate rows over up rows) -> gated AMX panels (amx::GatedRows).
-inline torch::Tensor amx_pack_gated_weight(torch::Tensor weight) {
+torch::Tensor amx_pack_gated_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "a gate_up weight has an even number of rows");
   const int64_t width = weight.size(0) / 2;
   return pack_amx_panels(weight, amx::gated_panel_count(width), amx::GatedRows{width});
 }
 
 // silu(x @ gate.T) * (x @ up.T) [M, W] with a weight packed by amx_pack_gated_weight.
-inline torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t width) {
+torch::Tensor amx_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t width) {
 #if defined(TESSERA_AMX)
   return multiply_amx_panels(x, packed, width, amx::gated_panel_count(width), torch::empty({0}), AmxSiluMulRow{});
 #else

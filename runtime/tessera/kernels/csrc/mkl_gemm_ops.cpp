@@ -1,11 +1,10 @@
 // fp32 GEMM on MKL-packed weights: the ops mkl_pack_weight and mkl_linear.
-#pragma once
-
 #include <dlfcn.h>
 
 #include <cstddef>
 #include <cstdint>
 
+#include "ops.h"
 #include "torch_bf16.h"
 
 namespace tessera {
@@ -16,7 +15,7 @@ namespace tessera {
 // MKL statically and exports these entry points; they are looked up at run time, so a torch
 // without MKL just reports them unavailable.
 
-namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+namespace {
 
 constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCblasBMatrix = 162,
               kCblasPacked = 151;
@@ -49,10 +48,10 @@ constexpr int kPackRowsHint = 64;
 
 }  // namespace
 
-inline bool mkl_packed_gemm_available() { return mkl().available(); }
+bool mkl_packed_gemm_available() { return mkl().available(); }
 
 // weight [N, K] fp32 -> an opaque byte buffer for mkl_linear.
-inline torch::Tensor mkl_pack_weight(torch::Tensor weight) {
+torch::Tensor mkl_pack_weight(torch::Tensor weight) {
   TORCH_CHECK(mkl().available(), "MKL's packed GEMM is not available in this torch build");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == torch::kFloat32,
               "weight must be a contiguous fp32 [N, K] tensor");
@@ -65,7 +64,7 @@ inline torch::Tensor mkl_pack_weight(torch::Tensor weight) {
 }
 
 // x [M, K] fp32 times a packed weight [N, K] (transposed), plus bias [N] when non-empty.
-inline torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias) {
+torch::Tensor mkl_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
               "x must be a contiguous fp32 [M, K] tensor");
   const int m = static_cast<int>(x.size(0)), k = static_cast<int>(x.size(1));

@@ -5,8 +5,6 @@
 // Why: on CPU the ATen formulation of paged attention gathers every sequence's blocks into a
 // padded copy and masks it, which moved more memory than the matmuls did. These kernels read the
 // paged cache in place with an online softmax.
-#pragma once
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -14,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "amx_attention.h"
 #include "amx_tiles.h"
 #include "paged_attention.h"
@@ -21,7 +20,7 @@
 
 namespace tessera {
 
-namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+namespace {
 
 template <typename T>
 void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k,
@@ -137,7 +136,7 @@ void check_int64(const torch::Tensor& t, const char* name) {
 // new tokens' k/v [N, KVH*D] into kv_cache [2, blocks, block_size, KVH, D] at slot_mapping.
 // Sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]) and its context is
 // seq_lens[s] tokens long, the queries being the last ones (causal); sliding_window <= 0: none.
-inline void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                      torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                      torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
                      int64_t sliding_window) {

@@ -3,8 +3,6 @@
 //
 // Why: the ATen formulation made a full pass (and a new tensor) per op where one pass suffices;
 // each chain here is one pass, in the reference's rounding order.
-#pragma once
-
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -12,13 +10,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "silu.h"
 #include "simd.h"
 #include "torch_bf16.h"
 
 namespace tessera {
 
-namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+namespace {
 
 template <typename T>
 void rms_norm_impl(T* xs, T* rs, T* os, const T* w, int64_t rows, int64_t hidden, float eps) {
@@ -98,7 +97,7 @@ void rotary_impl(T* xs, const T* cs, int64_t rows, int64_t heads, int64_t dim, i
 
 // With a residual: residual += x, then x = rmsnorm(residual) * weight (both in place, one pass
 // per row), returning x. Without one (an empty tensor): returns rmsnorm(x) * weight, x untouched.
-inline torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [N, hidden] tensor");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
               "weight must be [hidden] in x's dtype");
@@ -116,7 +115,7 @@ inline torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Te
 }
 
 // [N, 2I] (gate | up) -> [N, I]: silu(gate) * up.
-inline torch::Tensor silu_and_mul(torch::Tensor x) {
+torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x must be a contiguous [N, 2*I] tensor");
   torch::Tensor out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
@@ -157,7 +156,7 @@ int64_t row_argmax(const T* x, int64_t n) {
   return 0;  // not reached: n > 0, and the max (or a NaN) is somewhere in the row
 }
 
-inline torch::Tensor greedy_argmax(torch::Tensor logits) {
+torch::Tensor greedy_argmax(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
               "logits must be a non-empty [B, V] tensor with contiguous rows");
   torch::Tensor out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
@@ -174,7 +173,7 @@ inline torch::Tensor greedy_argmax(torch::Tensor logits) {
 
 // In place on x [N, heads, D] (rows may be strided): rotate-half RoPE with cos_sin [N, D]
 // holding cos in the first half and sin in the second.
-inline void rotary_embedding(torch::Tensor x, torch::Tensor cos_sin) {
+void rotary_embedding(torch::Tensor x, torch::Tensor cos_sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [N, heads, D] with contiguous heads");
   TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.is_contiguous() && cos_sin.size(1) == x.size(2) &&
                   cos_sin.size(0) == x.size(0), "cos_sin must be [N, D]");

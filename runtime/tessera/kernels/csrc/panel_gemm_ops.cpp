@@ -1,7 +1,5 @@
 // The panel GEMM's ops (panel_gemm.h): packing a weight (plain or gated for SwiGLU), and x times
 // a packed weight over the OpenMP threads, with the plain or the SwiGLU epilogue.
-#pragma once
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "packed_weights.h"
 #include "panel_gemm.h"
 #include "silu.h"
@@ -22,14 +21,14 @@ namespace tessera {
 
 // The dtypes Tessera's panel GEMM (panel_gemm.h) multiplies on this CPU: it needs AVX-512 (bf16
 // through AVX512-BF16, or widened to fp32 with AVX512-BW) or AVX2 with FMA (bf16 widened).
-inline std::vector<std::string> panel_gemm_dtypes() {
+std::vector<std::string> panel_gemm_dtypes() {
   std::vector<std::string> dtypes;
   if (panels::kFp32) dtypes.emplace_back("float32");
   if (panels::kBf16) dtypes.emplace_back("bfloat16");
   return dtypes;
 }
 
-namespace {  // local to the one translation unit, as in one .cpp: see bindings.cpp
+namespace {
 
 void check_panel_dtype(const torch::Tensor& t, const char* name) {
   const auto dtype = t.scalar_type();
@@ -157,20 +156,20 @@ torch::Tensor multiply_panels(const torch::Tensor& x, const torch::Tensor& packe
 
 // weight [N, K] (fp32, or bf16 with K even) -> its panels, [ceil(N / C), K * C] of the same dtype
 // (C = panels::kCols: 48 on AVX-512, 16 on AVX2).
-inline torch::Tensor panel_pack_weight(torch::Tensor weight) {
+torch::Tensor panel_pack_weight(torch::Tensor weight) {
   return pack_panels(weight, panels::panel_count(weight.size(0)), panels::PlainRows{weight.size(0)});
 }
 
 // x [M, K] times a weight packed by panel_pack_weight ([N, K] before), plus bias [N] when
 // non-empty; with pad_aliased_rows the result may be a view with padded rows (multiply_panels).
-inline torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias,
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t n, torch::Tensor bias,
                            bool pad_aliased_rows) {
   return multiply_panels(x, packed, n, panels::panel_count(n), bias, pad_aliased_rows, panels::StoreSums{});
 }
 
 // A SwiGLU gate_up weight [2W, K] (gate rows over up rows) -> gated panels (panels::GatedRows),
 // [ceil(W / (C / 2)), K * C].
-inline torch::Tensor panel_pack_gated_weight(torch::Tensor weight) {
+torch::Tensor panel_pack_gated_weight(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "a gate_up weight has an even number of rows");
   const int64_t width = weight.size(0) / 2;
   return pack_panels(weight, panels::gated_panel_count(width), panels::GatedRows{width});
@@ -178,7 +177,7 @@ inline torch::Tensor panel_pack_gated_weight(torch::Tensor weight) {
 
 // silu(x @ gate.T) * (x @ up.T) [M, W] with a weight packed by panel_pack_gated_weight: SwiGLU
 // without writing the [M, 2W] projection out and reading it back.
-inline torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t width) {
+torch::Tensor panel_linear_silu_mul(torch::Tensor x, torch::Tensor packed, int64_t width) {
 #if defined(TESSERA_PANELS_AVX512) || defined(TESSERA_PANELS_AVX2)
   return multiply_panels(x, packed, width, panels::gated_panel_count(width), torch::empty({0}), false, SiluMulSums{});
 #else
