@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from tessera import kernels
+from tessera.kernels import build
 
 # Takes the build lock, plants torch's baton as a builder would, then dies without cleaning up.
 KILLED_BUILDER = """
 import os, signal, sys
 from pathlib import Path
-from tessera.kernels import TORCH_BATON, build_lock
+from tessera.kernels.build import TORCH_BATON, build_lock
 
 build_dir = Path(sys.argv[1])
 with build_lock(build_dir):
@@ -33,32 +34,32 @@ def test_baton_of_a_killed_builder_is_taken_over(tmp_path: Path) -> None:
         [sys.executable, "-c", KILLED_BUILDER, str(tmp_path)], capture_output=True, timeout=60
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
-    assert (tmp_path / kernels.TORCH_BATON).exists()
-    with kernels.build_lock(tmp_path):  # the kernel released the dead builder's lock
-        assert not (tmp_path / kernels.TORCH_BATON).exists()
+    assert (tmp_path / build.TORCH_BATON).exists()
+    with build.build_lock(tmp_path):  # the kernel released the dead builder's lock
+        assert not (tmp_path / build.TORCH_BATON).exists()
 
 
 @pytest.mark.skipif(not kernels.ENABLED, reason="CPU kernels disabled")
 def test_kernels_load_despite_a_stale_baton_in_the_real_build_folder() -> None:
     # Built once per machine (other tests need it too); then loading takes seconds.
     subprocess.run([sys.executable, "-c", LOAD_KERNELS], check=True, timeout=900)
-    build_dir = kernels._cache_root() / kernels.build_key()
-    with kernels.build_lock(build_dir):  # no live builder while the baton is planted
-        (build_dir / kernels.TORCH_BATON).touch()
+    build_dir = build.cache_root() / kernels.build_key()
+    with build.build_lock(build_dir):  # no live builder while the baton is planted
+        (build_dir / build.TORCH_BATON).touch()
     # torch's FileBaton used to wait for this file forever.
     subprocess.run([sys.executable, "-c", LOAD_KERNELS], check=True, timeout=120)
     # Checked under the build lock: another process loading the kernels meanwhile holds a baton
     # of its own for a moment, legitimately.
-    with kernels.build_lock(build_dir):
-        assert not (build_dir / kernels.TORCH_BATON).exists()
+    with build.build_lock(build_dir):
+        assert not (build_dir / build.TORCH_BATON).exists()
 
 
 @pytest.mark.skipif(not kernels.ENABLED, reason="CPU kernels disabled")
 def test_a_build_from_another_venv_is_loaded_not_recompiled() -> None:
     subprocess.run([sys.executable, "-c", LOAD_KERNELS], check=True, timeout=900)
-    build_dir = kernels._cache_root() / kernels.build_key()
+    build_dir = build.cache_root() / kernels.build_key()
     built = next(build_dir.glob("*.so"))
-    with kernels.build_lock(build_dir):
+    with build.build_lock(build_dir):
         # What another checkout's venv leaves: the same key, built by a command that named
         # torch's headers at another path (ninja's log keeps each output's command hash).
         log = build_dir / ".ninja_log"
@@ -76,8 +77,8 @@ def test_a_build_that_does_not_load_is_compiled_again(
     from torch.utils import cpp_extension
 
     monkeypatch.setenv("TESSERA_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels, "_load_prebuilt", lambda key: None)
-    build_dir = kernels._cache_root() / kernels.build_key()
+    monkeypatch.setattr(build, "load_prebuilt", lambda key: None)
+    build_dir = build.cache_root() / kernels.build_key()
     build_dir.mkdir(parents=True)
     (build_dir / f"tessera_cpu_kernels_{kernels.build_key()}.so").write_bytes(b"cut short by a killed link")
     rebuilt = object()

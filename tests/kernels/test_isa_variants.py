@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tessera import host, kernels
-from tessera.kernels import isa
+from tessera.kernels import build, isa
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="the variants are x86's")
 
@@ -52,7 +52,7 @@ def compile_command(variant: str, output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
-    flags = kernels.compile_flags(list(isa.ISA_VARIANTS[variant].march))
+    flags = build.compile_flags(list(isa.ISA_VARIANTS[variant].march))
     return [
         compiler(),
         "-DTORCH_EXTENSION_NAME=tessera_isa_check",
@@ -62,7 +62,7 @@ def compile_command(variant: str, output: Path) -> list[str]:
         *flags,
         "-O0",  # after the build's -O3: the last -O wins
         "-c",
-        str(kernels.SOURCE),
+        str(build.SOURCE),
         "-o",
         str(output),
     ]
@@ -81,7 +81,7 @@ def passed_marker(variant: str) -> Path:
     ):
         digest.update(part.encode())
         digest.update(b"\0")
-    return kernels._cache_root() / "isa-checks" / f"{variant}-{digest.hexdigest()[:16]}"
+    return build.cache_root() / "isa-checks" / f"{variant}-{digest.hexdigest()[:16]}"
 
 
 def compile_errors(variant: str, scratch: Path) -> str | None:

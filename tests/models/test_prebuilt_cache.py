@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tessera import kernels
+from tessera.kernels import build
 from tessera.models import registry
 from tessera.models.conversion import COMPLETE_MARKER
 from tessera.topology import RankPlacement
@@ -53,7 +54,7 @@ def test_prebuilt_kernels_load_from_a_read_only_folder(
     shutil.copy(built.__file__, baked / f"tessera_cpu_kernels_{key}.so")
     baked.chmod(0o555)
     monkeypatch.setenv("TESSERA_PREBUILT_CACHE", str(tmp_path))
-    loaded = kernels._load_prebuilt(key)
+    loaded = build.load_prebuilt(key)
     assert loaded is not None and hasattr(loaded, "mkl_linear")
     assert sorted(baked.iterdir()) == [baked / f"tessera_cpu_kernels_{key}.so"]  # no lock, no build files
 

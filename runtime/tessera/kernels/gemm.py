@@ -90,7 +90,7 @@ class PanelPackedWeight(NativePackedWeight):
     pack_function, linear_function = "panel_pack_weight", "panel_linear"
 
     def kernel_flags(self, may_pad_rows: bool) -> tuple[bool, ...]:
-        # Rows 4 KB apart cost the panels about 10% (csrc/cpu_kernels.cpp: multiply_panels).
+        # Rows 4 KB apart cost the panels about 10% (csrc/panel_gemm_ops.cpp: multiply_panels).
         return (may_pad_rows,)
 
 

@@ -51,7 +51,8 @@ from typing import Any
 import torch
 
 from tessera import host
-from tessera.kernels import _cache_root, build_key, native_ops
+from tessera.kernels import native_ops
+from tessera.kernels.build import build_key, cache_root
 from tessera.kernels.gemm import BACKENDS, GemmBackend, PackedWeight, SwiGLUProduct, candidates
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class _ContentionMeter:
 
 
 def selection_path() -> Path:
-    return _cache_root() / build_key() / SELECTION_FILE
+    return cache_root() / build_key() / SELECTION_FILE
 
 
 # What a layer does with its product, for the selection: nothing, or SwiGLU (see SwiGLUProduct).

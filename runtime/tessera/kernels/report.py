@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tessera import host, kernels
-from tessera.kernels import gemm, gemm_selection, isa
+from tessera.kernels import build, gemm, gemm_selection, isa
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -76,7 +76,7 @@ def kernel_report() -> dict[str, Any]:
         "process_cpus": len(host.PROCESS_CPUS),
         "isa_variant": variant or isa.NATIVE,
         "isa_variants_runnable": isa.runnable_variants(host.cpu_flags()),
-        "compile_flags": kernels.CFLAGS,
+        "compile_flags": build.CFLAGS,
         "build_key": kernels.build_key(),
         "build": state,
         "extension": str(extension),

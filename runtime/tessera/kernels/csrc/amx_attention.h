@@ -23,8 +23,9 @@
 #include <cstring>
 #include <vector>
 
-#include "amx_gemm.h"
+#include "amx_tiles.h"
 #include "paged_attention.h"
+#include "simd.h"
 
 namespace tessera::amx_attention {
 
@@ -206,7 +207,7 @@ inline void store_outputs(float* out, int64_t stride) {
 
 // 2^t for a vector of t (finite lanes; others are zeroed by the caller's mask): 2^round(t) by
 // vscalefps times a degree-5 polynomial of the fraction (relative error ~2e-6, far below the
-// bf16 rounding the probabilities get). About half the instructions of paged_attention.h's expv,
+// bf16 rounding the probabilities get). About half the instructions of simd.h's expv,
 // which softmax ran at: with AMX doing the products, softmax was most of a prefill's attention.
 inline __m512 exp2_fraction(__mmask16 live, __m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

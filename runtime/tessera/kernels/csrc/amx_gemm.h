@@ -22,21 +22,15 @@
 #pragma once
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#include "panel_rows.h"
+#include "amx_tiles.h"
+#include "panel_layout.h"
 
 namespace tessera::amx {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define TESSERA_AMX 1
-#endif
-
-constexpr int64_t kTileRows = 16;             // rows of every tile; an fp32 tile's columns too
 constexpr int64_t kStep = 32;                 // bf16 inputs per A tile row (64 bytes)
 constexpr int64_t kCols = 2 * kTileRows;      // output columns of a plain panel: two B tiles
 constexpr int64_t kStepWords = kCols * kStep;  // bf16 words of a panel per step (2 KB)
@@ -51,28 +45,16 @@ inline int64_t gated_panel_count(int64_t width) { return (width + kTileRows - 1)
 using PlainRows = PlainPanelRows<kCols>;
 using GatedRows = GatedPanelRows<kCols>;
 
-// Panel `panel` of a row-major bf16 weight [rows][k] into out (padded_k(k) * kCols words):
+// The AMX panels' layout (panel_layout.h's pack_panel) of bf16 words: K padded to whole steps;
 // input i of column col at step i / 32, tile col / 16, pair row (i % 32) / 2, [col % 16][i % 2].
-template <typename RowOf>
-void pack_panel(const uint16_t* weight, int64_t k, int64_t panel, const RowOf& row_of, uint16_t* out) {
-  const int64_t steps = padded_k(k) / kStep;
-  for (int64_t col = 0; col < kCols; ++col) {
-    const int64_t row = row_of(panel, col);
-    const int64_t tile = col / kTileRows, column = col % kTileRows;
-    for (int64_t i = 0; i < steps * kStep; ++i) {
-      const int64_t pair = (i % kStep) / 2;
-      uint16_t* slot = out + (i / kStep) * kStepWords + (tile * kTileRows + pair) * kCols + column * 2 + i % 2;
-      *slot = row >= 0 && i < k ? weight[row * k + i] : 0;
-    }
+struct Layout {
+  static constexpr int64_t kCols = amx::kCols;
+  static int64_t padded_k(int64_t k) { return amx::padded_k(k); }
+  static int64_t offset(int64_t i, int64_t col) {
+    const int64_t tile = col / kTileRows, column = col % kTileRows, pair = (i % kStep) / 2;
+    return (i / kStep) * kStepWords + (tile * kTileRows + pair) * kCols + column * 2 + i % 2;
   }
-}
-
-// Rows of x per pass over the panels: a block small enough to stay in L2 while the panels pass
-// by it (a multiple of two tiles), as panel_gemm.h's row_block.
-inline int64_t row_block(int64_t k) {
-  const int64_t rows = 256 * 1024 / std::max<int64_t>(1, k * 2);
-  return std::max<int64_t>(2 * kTileRows, rows / (2 * kTileRows) * (2 * kTileRows));
-}
+};
 
 // A multiplication's work items: a block of rows times a run of panels, row blocks outermost;
 // one run per thread, so that at decode each thread streams one contiguous range of panels
@@ -80,7 +62,7 @@ inline int64_t row_block(int64_t k) {
 // prefetching the next panel in software was no faster either).
 struct Work {
   int64_t m, block, run, runs, items;
-  Work(int64_t m, int64_t k, int64_t count, int64_t threads) : m(m), block(row_block(k)) {
+  Work(int64_t m, int64_t k, int64_t count, int64_t threads) : m(m), block(row_block(k, 2, 2 * kTileRows)) {
     threads = std::max<int64_t>(1, threads);
     run = (count + threads - 1) / threads;
     runs = (count + run - 1) / run;
@@ -89,31 +71,6 @@ struct Work {
 };
 
 #if defined(TESSERA_AMX)
-
-// The process may use the tile registers once Linux has granted it the state (arch_prctl).
-inline bool request_tile_state() {
-  constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Per thread: tiles 0-3 the sums, 4-5 rows of x, 6-7 the panel's two B tiles; all 16 x 64 bytes.
-inline void configure_tiles() {
-  TileConfig config;
-  for (int tile = 0; tile < 8; ++tile) {
-    config.bytes_per_row[tile] = 64;
-    config.rows[tile] = kTileRows;
-  }
-  // Not _tile_loadconfig: GCC's declares that it reads 8 bytes, so the stores that zero the rest
-  // may be dropped, and a garbage row count in an unused tile faults (seen in a test program at -O3).
-  asm volatile("ldtilecfg %0" : : "m"(config));
-}
 
 // The epilogue of the 32-row group before the current one, run a few rows at a time between the
 // current group's tile products: the core turns sums into outputs while the tile unit
@@ -186,12 +143,6 @@ inline void panel_sums(const uint16_t* x, int64_t k_padded, const uint16_t* pane
     _tile_stored(2, sums + kTileRows * kCols, ld);
     _tile_stored(3, sums + kTileRows * kCols + kTileRows, ld);
   }
-}
-
-// fp32 lanes -> bf16 words, rounded to nearest even; live lanes of 16 stored at y.
-inline void store_bf16(uint16_t* y, __m512 values, int64_t live) {
-  const __mmask16 mask = live >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << live) - 1);
-  _mm256_mask_storeu_epi16(y, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(values)));
 }
 
 // The plain epilogue: a row's 32 sums (plus the panel's fp32 bias) are its outputs.

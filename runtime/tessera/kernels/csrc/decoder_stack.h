@@ -10,12 +10,21 @@
 // place, paged attention, the O GEMM, add + RMSNorm, SwiGLU (gated GEMM, or GEMM + silu_and_mul),
 // the down GEMM. A GEMM whose backend is not one of these kernels (oneDNN, ATen, fp32 compute of
 // bf16 weights) calls back into Python, holding the GIL only for that call.
-//
-// Included by cpu_kernels.cpp after the kernels it calls are defined.
 
 #pragma once
 
-namespace tessera::stack {
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+
+// Hidden, as pybind11's own types are: a Linear holds a py::object.
+namespace tessera {
+namespace stack __attribute__((visibility("hidden"))) {
 
 // How one linear layer multiplies: one of this library's GEMMs, or a Python callable.
 enum class Gemm : int64_t { kPython = 0, kMkl = 1, kPanels = 2, kAmx = 3, kPanelsGated = 4, kAmxGated = 5 };
@@ -101,34 +110,5 @@ class DecoderStack {
   std::vector<Layer> layers_;
 };
 
-inline void bind(py::module_& m) {
-  py::enum_<Gemm>(m, "StackGemm")
-      .value("PYTHON", Gemm::kPython)
-      .value("MKL", Gemm::kMkl)
-      .value("PANELS", Gemm::kPanels)
-      .value("AMX", Gemm::kAmx)
-      .value("PANELS_GATED", Gemm::kPanelsGated)
-      .value("AMX_GATED", Gemm::kAmxGated);
-  py::class_<Linear>(m, "StackLinear")
-      .def(py::init([](Gemm gemm, torch::Tensor packed, int64_t n, torch::Tensor bias, py::object python,
-                       bool silu_after) { return Linear{gemm, packed, n, bias, python, silu_after}; }),
-           py::arg("gemm"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("python"),
-           py::arg("silu_after"));
-  py::class_<Layer>(m, "StackLayer")
-      .def(py::init([](torch::Tensor input_norm, double input_eps, torch::Tensor post_norm, double post_eps,
-                       Linear qkv, Linear o, Linear gate_up, Linear down, int64_t heads, int64_t kv_heads,
-                       int64_t head_dim, double scale, int64_t sliding_window) {
-             return Layer{input_norm, post_norm, input_eps, post_eps, qkv, o, gate_up, down,
-                          heads, kv_heads, head_dim, sliding_window, scale};
-           }),
-           py::arg("input_norm"), py::arg("input_eps"), py::arg("post_norm"), py::arg("post_eps"), py::arg("qkv"),
-           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("heads"), py::arg("kv_heads"),
-           py::arg("head_dim"), py::arg("scale"), py::arg("sliding_window"));
-  py::class_<DecoderStack>(m, "DecoderStack")
-      .def(py::init<std::vector<Layer>>(), py::arg("layers"))
-      // The GIL is released for the whole pass (other threads keep running), taken back only
-      // around a Python GEMM.
-      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
-}
-
-}  // namespace tessera::stack
+}  // namespace stack
+}  // namespace tessera

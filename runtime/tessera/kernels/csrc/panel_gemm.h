@@ -19,7 +19,7 @@
 // weights hot, oneDNN at 140-165.
 //
 // Sums run over k in order, in fp32 for both input dtypes; bf16 outputs are rounded to nearest
-// even. The caller hands the work items (PanelWork) out to its threads.
+// even (simd.h's bf16_bits). The caller hands the work items (PanelWork) out to its threads.
 
 #pragma once
 
@@ -30,18 +30,20 @@
 #include <cstring>
 #include <type_traits>
 
-#include "panel_rows.h"
+#include "panel_layout.h"
+#include "simd.h"
 
 namespace tessera::panels {
 
+// A panel is kVectors vectors of simd.h's kLanes floats wide.
 #if defined(__AVX512F__)
 #define TESSERA_PANELS_AVX512 1
-constexpr int64_t kLanes = 16, kVectors = 3, kTileRows = 8;
+constexpr int64_t kVectors = 3, kTileRows = 8;
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TESSERA_PANELS_AVX2 1
-constexpr int64_t kLanes = 8, kVectors = 2, kTileRows = 6;
+constexpr int64_t kVectors = 2, kTileRows = 6;
 #else
-constexpr int64_t kLanes = 8, kVectors = 2, kTileRows = 6;  // shapes only: no kernel on this CPU
+constexpr int64_t kVectors = 2, kTileRows = 6;  // shapes only: no kernel on this CPU
 #endif
 constexpr int64_t kCols = kLanes * kVectors;  // output columns per panel
 
@@ -78,33 +80,19 @@ constexpr int64_t widened_word(int64_t col) {
 using PlainRows = PlainPanelRows<kCols>;
 using GatedRows = GatedPanelRows<kCols>;
 
-// Panel `panel` of a row-major weight [rows][k] (T = float or uint16_t bf16 bits), its columns'
-// rows given by row_of. fp32: element (col, i) at [i][col]; bf16: at [i / 2][col][i % 2] (pairs,
-// k even) or at [i][widened_word(col)].
-template <typename T, typename RowOf>
-void pack_panel(const T* weight, int64_t k, int64_t panel, const RowOf& row_of, T* out) {
-  constexpr bool pairs = sizeof(T) == 2 && kBf16Pairs, widened = sizeof(T) == 2 && !kBf16Pairs;
-  for (int64_t col = 0; col < kCols; ++col) {
-    const int64_t row = row_of(panel, col);
-    for (int64_t i = 0; i < k; ++i) {
-      const T value = row >= 0 ? weight[row * k + i] : T(0);
-      if constexpr (pairs)
-        out[(i / 2) * kCols * 2 + col * 2 + i % 2] = value;
-      else
-        out[i * kCols + (widened ? widened_word(col) : col)] = value;
-    }
+// The panels' layout (panel_layout.h's pack_panel) for T = float or uint16_t bf16 bits: K
+// unpadded; fp32: element (col, i) at [i][col]; bf16: at [i / 2][col][i % 2] (pairs, k even) or at
+// [i][widened_word(col)].
+template <typename T>
+struct Layout {
+  static constexpr int64_t kCols = panels::kCols;
+  static constexpr bool kPairs = sizeof(T) == 2 && kBf16Pairs, kWidened = sizeof(T) == 2 && !kBf16Pairs;
+  static int64_t padded_k(int64_t k) { return k; }
+  static int64_t offset(int64_t i, int64_t col) {
+    if constexpr (kPairs) return (i / 2) * kCols * 2 + col * 2 + i % 2;
+    return i * kCols + (kWidened ? widened_word(col) : col);
   }
-}
-
-// fp32 -> bf16 bits in each 32-bit lane's low half, rounded to nearest even (NaN -> 0x7FC0, as
-// torch), for a vector of fp32 sums of either width (__m256, __m512).
-template <typename Floats>
-inline auto bf16_bits(Floats sum) {
-  typedef uint32_t Bits __attribute__((vector_size(sizeof(Floats))));
-  const Bits bits = reinterpret_cast<Bits>(sum);
-  const Bits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return sum != sum ? Bits{} + 0x7FC0u : rounded;
-}
+};
 
 #if defined(TESSERA_PANELS_AVX512)
 
@@ -351,17 +339,6 @@ void multiply_panel(const In* x, int64_t m, int64_t k, const T* packed, int64_t 
   }
 }
 
-// Rows of x per pass over the panels: a block of x small enough to stay in L2 while every panel
-// passes by it. A prefill chunk's x (2048 rows x 1536 inputs: 12 MB) fits in no cache, and
-// would be read from DRAM once per panel; the panels, read once per block instead, are
-// megabytes, and stay in L3.
-constexpr int64_t kRowBlockBytes = 256 * 1024;
-
-inline int64_t row_block(int64_t k, int64_t element_size) {
-  const int64_t rows = kRowBlockBytes / std::max<int64_t>(1, k * element_size);
-  return std::max(kTileRows, rows / kTileRows * kTileRows);
-}
-
 // A multiplication's work items: a block of rows times a run of panels each, row blocks
 // outermost so the threads share one block of x at a time. Threads take items dynamically:
 // on a VM one vCPU is often slower than the other for a while, and an even static split of the
@@ -369,7 +346,7 @@ inline int64_t row_block(int64_t k, int64_t element_size) {
 struct PanelWork {
   int64_t m, block, run, runs, items;
   PanelWork(int64_t m, int64_t k, int64_t count, int64_t element_size, int64_t threads)
-      : m(m), block(row_block(k, element_size)) {
+      : m(m), block(row_block(k, element_size, kTileRows)) {
     run = std::max<int64_t>(1, count / (8 * std::max<int64_t>(1, threads)));  // ~8 items per thread
     runs = (count + run - 1) / run;
     items = (m + block - 1) / block * runs;
