@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import types
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
+
+from tessera.engine.arg_utils import base_type
 
 DEFAULT_MAX_PODS_PER_CLUSTER = 1024
 AUTH_GROUP = "who may call the webhook (one of --webhook-client-ca or --webhook-insecure-skip-client-auth)"
@@ -195,15 +196,6 @@ class OperatorConfig(BaseModel):
         if "pod_policy" not in values:
             values["pod_policy"] = PodPolicy(**from_environment(PodPolicy, os.environ))
         return values
-
-
-def base_type(annotation: Any) -> Any:
-    """`int | None` -> int; other annotations as they are."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
 
 
 def extra(field: FieldInfo) -> dict[str, Any]:

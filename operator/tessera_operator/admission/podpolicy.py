@@ -185,22 +185,14 @@ def check_pod_policy(spec: InferenceClusterSpec, policy: PodPolicy) -> list[Fiel
             )
     if not policy.allow_control_plane:
         errors += _control_plane_errors(template)
-    account = template.service_account_name
-    if account is not None and account not in policy.allowed_service_accounts:
-        errors.append(
-            FieldError(
-                "spec.template.serviceAccountName",
-                _not_allowed(f"ServiceAccount {account!r}", "--allowed-service-accounts"),
-            )
-        )
-    priority = template.priority_class_name
-    if priority is not None and priority not in policy.allowed_priority_classes:
-        errors.append(
-            FieldError(
-                "spec.template.priorityClassName",
-                _not_allowed(f"PriorityClass {priority!r}", "--allowed-priority-classes"),
-            )
-        )
+    for path, kind, name, allowed, flag in (
+        ("serviceAccountName", "ServiceAccount", template.service_account_name,
+         policy.allowed_service_accounts, "--allowed-service-accounts"),
+        ("priorityClassName", "PriorityClass", template.priority_class_name,
+         policy.allowed_priority_classes, "--allowed-priority-classes"),
+    ):  # fmt: skip
+        if name is not None and name not in allowed:
+            errors.append(FieldError(f"spec.template.{path}", _not_allowed(f"{kind} {name!r}", flag)))
     for i, var in enumerate(template.env):
         reference = (var.value_from or {}).get("secretKeyRef")
         if reference is not None and not policy.secret_allowed(_secret_name(reference, "name")):
@@ -210,6 +202,7 @@ def check_pod_policy(spec: InferenceClusterSpec, policy: PodPolicy) -> list[Fiel
                     _not_allowed("an environment variable from this Secret", SECRET_FLAGS),
                 )
             )
+    account = template.service_account_name
     token_allowed = account is not None and account in policy.allowed_service_accounts
     for i, volume in enumerate(template.volumes):
         errors += _volume_errors(i, volume, policy, token_allowed)

@@ -56,8 +56,8 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _base_type(annotation: Any) -> Any:
-    """`int | None` -> int; leaves Literal and list types as they are."""
+def base_type(annotation: Any) -> Any:
+    """`int | None` -> int; leaves Literal and list types as they are (the operator's flags use it too)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
@@ -69,7 +69,7 @@ def _leaf_fields(model: type[BaseModel] = EngineConfig) -> list[tuple[str, Field
     """The configuration's flag-carrying fields: nested models (the parallel layout) are flattened."""
     leaves: list[tuple[str, FieldInfo]] = []
     for name, field in model.model_fields.items():
-        kind = _base_type(field.annotation)
+        kind = base_type(field.annotation)
         if isinstance(kind, type) and issubclass(kind, BaseModel):
             leaves += _leaf_fields(kind)
         else:
@@ -88,7 +88,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
         if name in exclude:
             continue
         flags = ["--" + name.replace("_", "-"), *_ALIASES.get(name, [])]
-        kind = _base_type(field.annotation)
+        kind = base_type(field.annotation)
         help_text = field.description or ""
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if kind is bool:
