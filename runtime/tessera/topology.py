@@ -84,6 +84,7 @@ class RankPlacement:
     pp_size: int = 1
     layer_partition: tuple[int, ...] | None = None  # layers per stage; None: an even split
     sequence_parallel: bool = False
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_size:
@@ -98,6 +99,12 @@ class RankPlacement:
         """Sequence parallelism in effect: between the linears each TP rank holds a shard of the
         tokens (with one TP rank there is nothing to shard)."""
         return self.sequence_parallel and self.tp_size > 1
+
+    @property
+    def shards_experts(self) -> bool:
+        """Expert parallelism in effect: a mixture-of-experts layer's experts are spread over the
+        TP ranks of a stage, each whole on one rank (with one TP rank every expert is local)."""
+        return self.expert_parallel and self.tp_size > 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -144,6 +151,11 @@ class ParallelLayout(BaseModel):
     layer_partition: list[int] | None = Field(
         None, description="layers per pipeline stage, e.g. 16,14 (default: an even split)"
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="mixture-of-experts models: spread the experts over the TP ranks of a stage, each "
+        "whole on one rank, tokens dispatched to them (vLLM's flag); dense models ignore it",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ParallelLayout:
@@ -173,6 +185,7 @@ LAYOUT_ENV = {
     "pipeline_parallel_size": "TESSERA_PP_SIZE",
     "sequence_parallel": "TESSERA_SEQUENCE_PARALLEL",
     "layer_partition": "TESSERA_LAYER_PARTITION",
+    "enable_expert_parallel": "TESSERA_EXPERT_PARALLEL",
 }
 
 
@@ -217,6 +230,10 @@ class Topology(BaseModel):
         return self.layout.layer_partition
 
     @property
+    def expert_parallel(self) -> bool:
+        return self.layout.enable_expert_parallel
+
+    @property
     def world_size(self) -> int:
         return self.layout.world_size
 
@@ -231,6 +248,7 @@ class Topology(BaseModel):
             pp_size=layout.pipeline_parallel_size,
             layer_partition=None if layout.layer_partition is None else tuple(layout.layer_partition),
             sequence_parallel=layout.sequence_parallel,
+            expert_parallel=layout.enable_expert_parallel,
         )
 
     @property
@@ -279,6 +297,8 @@ class Topology(BaseModel):
         }
         if self.layer_partition is not None:
             env["TESSERA_LAYER_PARTITION"] = ",".join(str(n) for n in self.layer_partition)
+        if self.expert_parallel:  # only when on: pods of dense layouts keep the environment they had
+            env["TESSERA_EXPERT_PARALLEL"] = "true"
         return env
 
     @classmethod
@@ -354,6 +374,7 @@ def layout_from_env(environ: Mapping[str, str]) -> ParallelLayout | None:
             pipeline_parallel_size=read_int(environ, "TESSERA_PP_SIZE", 1),
             sequence_parallel=read_bool(environ, "TESSERA_SEQUENCE_PARALLEL"),
             layer_partition=parse_partition(environ.get("TESSERA_LAYER_PARTITION")),
+            enable_expert_parallel=read_bool(environ, "TESSERA_EXPERT_PARALLEL"),
         )
     except ValidationError as exc:
         raise TopologyError(_first_error(exc)) from exc

@@ -11,16 +11,14 @@ kernels (module calls, views, dispatch), during which the other OpenMP threads w
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tessera.kernels import native_ops
 from tessera.kernels.gemm import AmxPackedWeight, MklPackedWeight, NativePackedWeight, PanelPackedWeight
 from tessera.models.layers.linear import LinearBase, SiluGatedLinear
-
-if TYPE_CHECKING:
-    from tessera.models.llama import LlamaForCausalLM
+from tessera.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _NONE = torch.empty(0)
 # Packed weight type -> the native GEMM that multiplies it.
@@ -56,6 +54,13 @@ def build_decoder_stack(model: LlamaForCausalLM) -> Any | None:
     """The native stack of ``model``'s local decoder layers, or None where it does not apply: no
     native kernels, another device, tensor parallelism (whose collectives run in Python)."""
     layers = model._local_layers()
+    # The native stack is the Llama layer exactly: a family whose layer differs (norms on
+    # queries and keys, other activations, experts) runs its own modules.
+    if any(
+        (type(layer), type(layer.self_attn), type(layer.mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
+        for layer in layers
+    ):
+        return None
     device = layers[0].input_layernorm.weight.device
     ops = native_ops(device)
     if ops is None or model.tp_size != 1:

@@ -32,10 +32,6 @@ STACKED_PARAMS: list[tuple[str, str, Any]] = [
     (".gate_proj.", ".gate_up_proj.", 0),
     (".up_proj.", ".gate_up_proj.", 1),
 ]
-# fused parameter fragment -> the shard ids that together fill it
-FUSED_PARTS: dict[str, set[Any]] = {
-    fused: {shard for _, other, shard in STACKED_PARAMS if other == fused} for _, fused, _ in STACKED_PARAMS
-}
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -191,6 +187,7 @@ class LlamaModel(nn.Module):
         config: Any,
         dtype: torch.dtype,
         placement: RankPlacement,
+        layer_class: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         self.start_layer, self.end_layer = placement.stage_layers(config.num_hidden_layers)
@@ -200,7 +197,7 @@ class LlamaModel(nn.Module):
             else None
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, placement)
+            layer_class(config, i, dtype, placement)
             if self.start_layer <= i < self.end_layer
             else PPMissingLayer()
             for i in range(config.num_hidden_layers)
@@ -211,7 +208,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model interface the runner uses: forward, compute_logits, kv_cache_spec, load_weights."""
+    """The model interface the runner uses: forward, compute_logits, kv_cache_spec, load_weights.
+
+    Other families reuse it by subclassing: ``decoder_layer_class`` builds their layers and
+    ``stacked_params`` says which checkpoint tensors fill which fused parameter."""
+
+    decoder_layer_class: type[nn.Module] = LlamaDecoderLayer
+    stacked_params: list[tuple[str, str, Any]] = STACKED_PARAMS
 
     def __init__(
         self,
@@ -229,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
         self.layer_range = placement.stage_layers(self.num_layers)
         self.is_first_stage, self.is_last_stage = placement.is_first_stage, placement.is_last_stage
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, dtype, placement)
+        self.model = LlamaModel(config, dtype, placement, self.decoder_layer_class)
         self.lm_head: ParallelLMHead | None = None
         if self.is_last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype, placement)
@@ -244,9 +247,9 @@ class LlamaForCausalLM(nn.Module):
         # packed; None runs them one module at a time.
         self.decoder_stack: Any = None
 
-    def _local_layers(self) -> list[LlamaDecoderLayer]:
+    def _local_layers(self) -> list[Any]:
         start, end = self.layer_range
-        return [self.model.layers[i] for i in range(start, end)]  # type: ignore[misc]
+        return [self.model.layers[i] for i in range(start, end)]
 
     @property
     def kv_cache_spec(self) -> tuple[int, int, int]:
@@ -351,7 +354,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """One checkpoint tensor into the parameters it feeds (see load_weights)."""
         for target in self._targets(name):
-            fused = next(((frag, new, sid) for frag, new, sid in STACKED_PARAMS if frag in target), None)
+            fused = next(((frag, new, sid) for frag, new, sid in self.stacked_params if frag in target), None)
             if fused is not None:
                 frag, new, shard_id = fused
                 target = target.replace(frag, new)
@@ -361,7 +364,7 @@ class LlamaForCausalLM(nn.Module):
                 param = params[target]
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
                 parts.setdefault(target, set()).add(shard_id)
-                if parts[target] != FUSED_PARTS[new]:
+                if parts[target] != self._fused_parts(new):
                     continue
             elif target in params:
                 param = params[target]
@@ -374,6 +377,10 @@ class LlamaForCausalLM(nn.Module):
                 unplaced.append(name)
                 continue
             loaded.add(target)
+
+    def _fused_parts(self, fused: str) -> set[Any]:
+        """The shard ids that together fill the fused parameter named by ``fused``."""
+        return {shard for _, other, shard in self.stacked_params if other == fused}
 
     def _targets(self, name: str) -> list[str]:
         """Which local parameters a checkpoint tensor feeds ([] for other stages' layers)."""
