@@ -28,11 +28,15 @@ class GreedyReport:
     near_ties: list[str] = field(default_factory=list)
 
 
-def reference_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[tuple[int, float]]]:
+def reference_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[tuple[int, float]]]:
     """Per prompt, each greedy token with the top-two log-probability gap at its position."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    )
     model.eval()
     results = []
     with torch.inference_mode():
