@@ -42,3 +42,11 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         return self._norm(x), x
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm over each head's ``head_dim`` (Qwen3's and Gemma 3's ``q_norm``/``k_norm``), applied
+    in place to a ``[N, heads, head_dim]`` view: the heads inside the fused QKV output."""
+
+    def normalize_heads_(self, heads: torch.Tensor) -> None:
+        heads.copy_(self._norm(heads))
