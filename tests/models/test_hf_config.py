@@ -114,6 +114,16 @@ CASES: dict[str, dict[str, Any]] = {
         "sliding_window": 32,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
+    "qwen3, nothing but its type": {"model_type": "qwen3"},
+    "qwen3, window on the upper layers, head_dim": {
+        "model_type": "qwen3",
+        **SMALL,
+        "head_dim": 32,
+        "use_sliding_window": True,
+        "sliding_window": 32,
+        "max_window_layers": 2,
+        "architectures": ["Qwen3ForCausalLM"],
+    },
 }
 
 

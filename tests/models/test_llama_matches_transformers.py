@@ -1,4 +1,5 @@
-"""Tessera's Llama-family forward over the paged cache equals transformers' forward."""
+"""Tessera's Llama-family forward (Llama, Qwen2, Mistral, Qwen3) over the paged cache equals
+transformers' forward."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # The scenario's sequences reach 21 tokens, so an 8-token window masks real keys.
     "mistral-sliding-window": {"arch": "mistral", "sliding_window": 8},
     "llama3-rope-scaling-tied": {"arch": "llama", "tie": True, "rope_parameters": LLAMA3_ROPE},
+    # Per-head query/key norms; a head_dim other than hidden / heads.
+    "qwen3-qk-norm": {"arch": "qwen3", "overrides": {"head_dim": 32}},
 }
 CPU = torch.device("cpu")
 
@@ -73,7 +76,7 @@ def test_bf16_runs_close_to_fp32_reference(variant: tuple[Path, Any]) -> None:
     assert model.kv_cache_spec == (
         4,
         config.num_key_value_heads,
-        config.hidden_size // config.num_attention_heads,
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
     )
     driver, records = run_scenario(model, vocab=reference.config.vocab_size)
     assert driver.kv_caches[0].dtype == torch.bfloat16

@@ -1,10 +1,9 @@
 """A checkpoint's ``config.json`` as the model reads it, without importing transformers.
 
 Importing transformers costs about 3.5 s of CPU, and every rank process paid it only to read
-this file: a group of 6 ranks sharing 2 cores started some 10 s later for it. The Llama family
-(Llama, Mistral, Ministral, Qwen2) reads a few fields; they are read here with the class defaults
-and the derived fields of transformers' own ``LlamaConfig``, ``MistralConfig``,
-``MinistralConfig`` and ``Qwen2Config``.
+this file: a group of 6 ranks sharing 2 cores started some 10 s later for it. Each family
+reads a few fields; they are read here with the class defaults and the derived fields of
+transformers' own config class of each family (``FAMILY_DEFAULTS``).
 ``tests/models/test_hf_config.py`` checks every field the model reads against transformers.
 """
 
@@ -33,6 +32,17 @@ _MISTRAL = {
     "max_position_embeddings": 4096 * 32,
     "sliding_window": 4096,
 }
+_QWEN = {
+    **_SHARED,
+    "vocab_size": 151936,
+    "intermediate_size": 22016,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "layer_types": None,
+}
 # model_type -> what transformers' config class assumes for a field config.json leaves out.
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -49,17 +59,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # What transformers reads a Mistral config with layer_types as (alternating attention); its
     # head_dim stays null (the model divides hidden_size by the heads).
     "ministral": {**_MISTRAL, "layer_types": None},
-    "qwen2": {
-        **_SHARED,
-        "vocab_size": 151936,
-        "intermediate_size": 22016,
-        "num_key_value_heads": 32,
-        "max_position_embeddings": 32768,
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-        "layer_types": None,
-    },
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
 }
 # A config.json without "model_type" still names its family by its architectures.
 ARCHITECTURE_FAMILIES = {
@@ -67,6 +68,7 @@ ARCHITECTURE_FAMILIES = {
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "ministral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -82,8 +84,8 @@ def _derive(values: dict[str, Any]) -> None:
     if values.get("model_type") == "ministral" and values["layer_types"] is None:
         sliding = "sliding_attention" if values["sliding_window"] is not None else "full_attention"
         values["layer_types"] = [sliding] * values["num_hidden_layers"]
-    if values.get("model_type") == "qwen2":
-        # Qwen2 slides only when asked, on the layers from max_window_layers on.
+    if values.get("model_type") in ("qwen2", "qwen3"):
+        # Qwen2 and Qwen3 slide only when asked, on the layers from max_window_layers on.
         window = values["sliding_window"] if values["use_sliding_window"] else None
         values["sliding_window"] = window
         if values["layer_types"] is None:

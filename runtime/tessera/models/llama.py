@@ -57,13 +57,13 @@ def context_length(config: Any) -> int:
 
 def sliding_window_of_layer(config: Any, layer: int) -> int | None:
     """``layer``'s attention window as transformers' model code applies it: Llama's attention has
-    none (whatever config.json holds); Mistral's layers all slide; Qwen2's (when asked) and
+    none (whatever config.json holds); Mistral's layers all slide; Qwen2's and Qwen3's (when asked) and
     Ministral's (a Mistral config with layer_types) only those its layer_types mark."""
     window = getattr(config, "sliding_window", None)
     family = getattr(config, "model_type", "")
-    if not window or family not in ("mistral", "ministral", "qwen2"):
+    if not window or family not in ("mistral", "ministral", "qwen2", "qwen3"):
         return None
-    if family == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         return None
     layer_types = getattr(config, "layer_types", None)
     if family != "mistral" and layer_types is not None and layer_types[layer] != "sliding_attention":
@@ -121,8 +121,18 @@ class LlamaAttention(nn.Module):
         # the TP size): attention runs on the real tokens only, the rows rope has.
         n = rope.shape[0]
         qkv = self.qkv_proj(hidden_states)[:n]
+        return self.attend(qkv, qkv.view(n, -1, self.head_dim), rope, kv_cache, plan)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        heads: torch.Tensor,
+        rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        """Rotate, attend and project the fused ``qkv`` (``heads``: the same rows by head)."""
         # Q and K sit side by side in the fused output: rotate all their heads in one pass, in place.
-        heads = qkv.view(n, -1, self.head_dim)
         apply_rotary_(heads[:, : self.num_heads + self.num_kv_heads], rope)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
         attended = self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:], kv_cache, plan)
@@ -159,10 +169,12 @@ class LlamaDecoderLayer(nn.Module):
     """Norms and residual adds run on whatever rows arrive: all tokens, or with sequence
     parallelism this rank's shard of them (the linears gather and scatter around themselves)."""
 
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, config: Any, layer: int, dtype: torch.dtype, placement: RankPlacement) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer, dtype, placement)
+        self.self_attn = self.attention_class(config, layer, dtype, placement)
         self.mlp = LlamaMLP(config, dtype, placement)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)

@@ -21,6 +21,7 @@ from tessera.models.decoder_stack import build_decoder_stack
 from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
 from tessera.models.layers.linear import gemm_backend, process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
+from tessera.models.qwen3 import Qwen3ForCausalLM
 from tessera.topology import SINGLE_RANK, RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
