@@ -127,6 +127,12 @@ class ParallelismSpec(Wire):
     sequence_parallel: bool = Field(
         default=False, description="Shard activations over tokens inside a TP group (needs tensor > 1)."
     )
+    expert_parallel: bool = Field(
+        default=False,
+        description="Spread a mixture-of-experts model's experts over the tensor-parallel ranks of a "
+        "stage, each expert whole on one rank (vLLM's --enable-expert-parallel); needs tensor > 1 to "
+        "have an effect, and a model whose experts divide by tensor.",
+    )
     layer_partition: list[int] | None = Field(
         default=None,
         description="Layers per pipeline stage, e.g. [16, 14]; length must equal pipeline (default: even split).",

@@ -24,6 +24,7 @@ from tessera.topology import (
     GROUP_SECRET_FILE_ENV,
     GROUP_SECRET_FILE_NAME,
     GROUP_SECRET_MOUNT_DIR,
+    LAYOUT_ENV,
     ParallelLayout,
     Topology,
 )
@@ -53,10 +54,11 @@ LEADER_DEREGISTER_SECONDS = 5
 # The leader's deregistration, then its graceful shutdown (5 s in the API server); shorter than
 # the pod's grace.
 WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + 8
+# Variables the operator owns in every rank pod; the user's env must not shadow them. The
+# layout's count even where a default layout leaves them out (a layer partition, experts).
+RESERVED_ENV = frozenset(Topology.model_validate({}).to_env()) | set(LAYOUT_ENV.values()) | {"PYTHONHASHSEED"}
 # Where the runtime writes (emptyDirs; the root filesystem is read-only). The user's env or
 # volumeMounts may point any of them elsewhere, e.g. TESSERA_CACHE at a persistent volume.
-# Variables the operator owns in every rank pod; the user's env must not shadow them.
-RESERVED_ENV = frozenset(Topology.model_validate({}).to_env()) | {"TESSERA_LAYER_PARTITION", "PYTHONHASHSEED"}
 WRITABLE_ENV = {"TESSERA_CACHE": naming.CACHE_DIR, "TMPDIR": naming.TMP_DIR, "HOME": naming.TMP_DIR}
 WRITABLE_VOLUMES: tuple[tuple[str, str, dict[str, str]], ...] = (
     # NCCL and gloo need more shared memory than the container runtime's 64 MiB default.
@@ -82,7 +84,13 @@ class ClusterRef:
 # is its first default (test_builders checks that every field has one).
 REVISION_BASELINE: dict[str, Any] = {
     "model": {"servedName": None, "dtype": "auto", "maxModelLen": None},
-    "parallelism": {"tensor": 1, "pipeline": 1, "sequenceParallel": False, "layerPartition": None},
+    "parallelism": {
+        "tensor": 1,
+        "pipeline": 1,
+        "sequenceParallel": False,
+        "layerPartition": None,
+        "expertParallel": False,
+    },
     "engine": {
         "maxNumSeqs": 128,
         "maxNumBatchedTokens": 2048,
@@ -212,6 +220,7 @@ def topology_for(
             pipeline_parallel_size=par.pipeline,
             sequence_parallel=par.sequence_parallel,
             layer_partition=par.layer_partition,
+            enable_expert_parallel=par.expert_parallel,
         ),
         tp_rank=tp_rank,
         pp_rank=stage,

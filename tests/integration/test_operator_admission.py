@@ -200,6 +200,10 @@ def test_webhook_rejects_cross_field_errors_naming_the_field(crds: Any, k8s_name
                     "spec.parallelism.layerPartition",
                 ),
                 ({"parallelism": {"tensor": 2}}, "spec.parallelism.tensor"),  # 9 heads do not split over 2
+                (  # SmolLM2 has no experts (a CRD without the field: kubectl refuses it, not the webhook)
+                    {"parallelism": {"tensor": 3, "pipeline": 2, "expertParallel": True}},
+                    "spec.parallelism.expertParallel",
+                ),
                 ({"rollout": {"maxUnavailable": 0, "maxSurge": 0}}, "spec.rollout.maxUnavailable"),
                 ({"engine": {"kvCacheMemory": "1e400"}}, "spec.engine.kvCacheMemory"),
                 ({"parallelism": {"tensor": 64, "pipeline": 30}}, "spec.replicas"),

@@ -169,6 +169,39 @@ def test_revision_changes_with_pod_affecting_fields_only() -> None:
     assert base == builders.revision_of(spec_of(**explicit_defaults))
 
 
+def test_expert_parallel_reaches_the_runtime_only_when_set() -> None:
+    """TESSERA_EXPERT_PARALLEL=true in every rank of an expertParallel cluster (the runtime reads
+    it back); absent otherwise, so the pods of every other cluster keep the environment they had."""
+    moe = {"source": "qwen3-30b-a3b"}
+    on = spec_of(model=moe, parallelism={"tensor": 4, "pipeline": 2, "expertParallel": True})
+    for pod in builders.build_group(REF, on, "rev1", 0):
+        env = env_dict(pod)
+        assert env["TESSERA_EXPERT_PARALLEL"] == "true"
+        assert Topology.from_env(env).layout.enable_expert_parallel
+    off = spec_of(model=moe, parallelism={"tensor": 4, "pipeline": 2, "expertParallel": False})
+    for pod in builders.build_group(REF, off, "rev1", 0):
+        assert "TESSERA_EXPERT_PARALLEL" not in env_dict(pod)
+    assert "TESSERA_EXPERT_PARALLEL" in builders.RESERVED_ENV  # the user's env cannot turn it on
+
+
+def test_the_expert_parallel_field_rolls_no_existing_cluster() -> None:
+    """Revisions from before expertParallel existed (the values its release computed): the API
+    server now stores `expertParallel: false` in every object, which must hash as before."""
+    before = {"": "09cfecc233", "sp": "4507cdd59c", "moe": "fce08dd761"}
+    specs = {
+        "": {},
+        "sp": {"parallelism": {"tensor": 4, "pipeline": 2, "sequenceParallel": True}},
+        "moe": {"model": {"source": "qwen3-30b-a3b"}, "parallelism": {"tensor": 4}},
+    }
+    for key, spec in specs.items():
+        assert builders.revision_of(spec_of(**spec)) == before[key], key
+        stored = copy.deepcopy(spec)
+        stored.setdefault("parallelism", {"tensor": 2, "pipeline": 2})["expertParallel"] = False
+        assert builders.revision_of(spec_of(**stored)) == before[key], key
+    turned_on = {"model": {"source": "qwen3-30b-a3b"}, "parallelism": {"tensor": 4, "expertParallel": True}}
+    assert builders.revision_of(spec_of(**turned_on)) != before["moe"]  # other pods: a rollout
+
+
 ONE_RANK_A_STAGE = {"parallelism": {"tensor": 1, "pipeline": 2}}
 
 

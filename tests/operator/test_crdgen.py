@@ -50,6 +50,9 @@ def test_schema_is_structural() -> None:
         "minimum": 1,
         "type": "integer",
     }
+    expert = par["properties"]["expertParallel"]
+    assert (expert["type"], expert["default"]) == ("boolean", False)
+    assert "--enable-expert-parallel" in expert["description"]
     assert spec["properties"]["placement"]["properties"]["mode"]["enum"] == ["preferred", "required", "none"]
     assert spec["properties"]["template"]["properties"]["tolerations"]["items"] == {
         "type": "object",

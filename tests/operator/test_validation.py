@@ -606,3 +606,44 @@ def test_a_name_that_another_clusters_derived_names_take_is_refused(name: str) -
     [error] = validate_object(name, dict(BASE))
     assert error.field == "metadata.name" and "'-ranks'" in error.message
     assert validate_object("ranks", dict(BASE)) == validate_object("a-rank", dict(BASE)) == []
+
+
+def layout_errors(source: str, **parallelism: object) -> list[tuple[str, str]]:
+    spec = {"model": {"source": source}, "parallelism": parallelism}
+    return [(e.field, e.message) for e in validate_object("demo", spec)]
+
+
+def test_expert_parallel_is_refused_for_a_dense_model_naming_the_field() -> None:
+    assert layout_errors("Qwen/Qwen3-0.6B", tensor=2, expertParallel=True) == [
+        (
+            "spec.parallelism.expertParallel",
+            "the model has no experts (model 'Qwen/Qwen3-0.6B' is a dense qwen3 model)",
+        )
+    ]
+    assert layout_errors("Qwen/Qwen3-0.6B", tensor=2) == []
+    assert layout_errors("/models/unknown-moe", tensor=7, expertParallel=True) == []  # left to the runtime
+
+
+def test_expert_parallel_needs_the_experts_to_split_over_the_tensor_ranks() -> None:
+    # Qwen1.5-MoE-A2.7B: 16 heads, 16 KV heads, a shared expert of 5,632 columns all split over
+    # 8 ranks, and each of the 60 experts' 1,408 columns too; its experts do not go whole to 8.
+    source = "Qwen/Qwen1.5-MoE-A2.7B"
+    assert layout_errors(source, tensor=8) == []
+    assert layout_errors(source, tensor=8, expertParallel=True) == [
+        (
+            "spec.parallelism.tensor",
+            "60 experts do not split over 8 ranks under expertParallel (model 'Qwen/Qwen1.5-MoE-A2.7B')",
+        )
+    ]
+    assert layout_errors(source, tensor=4, pipeline=2, expertParallel=True) == []  # 15 experts a rank
+    # Heads that do not split are named before experts.
+    assert layout_errors(source, tensor=3, expertParallel=True) == [
+        (
+            "spec.parallelism.tensor",
+            "16 attention heads do not split over 3 ranks (model 'Qwen/Qwen1.5-MoE-A2.7B')",
+        )
+    ]
+    for source, tensor in (("mistralai/Mixtral-8x7B-v0.1", 8), ("Qwen/Qwen3-30B-A3B", 4)):
+        assert layout_errors(source, tensor=tensor, expertParallel=True) == []
+    # Under expertParallel one rank is every expert's; the flag alone refuses nothing.
+    assert layout_errors("Qwen/Qwen3-30B-A3B", expertParallel=True) == []

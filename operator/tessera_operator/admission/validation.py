@@ -91,7 +91,14 @@ def validate_layout(spec: InferenceClusterSpec) -> list[FieldError]:
         errors.append(FieldError("spec.parallelism.sequenceParallel", "needs spec.parallelism.tensor > 1"))
     model = known_model(spec.model.source)
     layers = model.num_layers if model is not None else None
-    problem = model.tensor_split_problem(par.tensor) if model is not None else None
+    problem = model.tensor_split_problem(par.tensor, par.expert_parallel) if model is not None else None
+    if par.expert_parallel and model is not None and "EP" not in model.parallelism:
+        errors.append(
+            FieldError(
+                "spec.parallelism.expertParallel",
+                f"the model has no experts (model {spec.model.source!r} is a dense {model.family} model)",
+            )
+        )
     if problem:
         errors.append(FieldError("spec.parallelism.tensor", f"{problem} (model {spec.model.source!r})"))
     if par.layer_partition is not None:
