@@ -27,7 +27,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 QUEUE_DEPTH_METRIC = "tessera:num_requests_waiting"
 # Caps that keep one object from asking for unbounded work; the operator's own cap on pods
-# per cluster (replicas x tensor x pipeline, see podpolicy.py) is checked by the webhook and
+# per cluster (replicas x pods per group, see podpolicy.py) is checked by the webhook and
 # the reconciler, which can multiply.
 MAX_REPLICAS = 256
 MAX_LIST_ITEMS = 64  # volumes, mounts, tolerations, labels, ...: copied into every pod
@@ -120,7 +120,8 @@ class ModelSpec(Wire):
 
 
 class ParallelismSpec(Wire):
-    """How one replica group splits the model: pods per group = tensor x pipeline."""
+    """How one replica group splits the model: ranks per group = tensor x pipeline (pods per
+    group: InferenceClusterSpec.pods_per_group)."""
 
     tensor: int = Field(default=1, ge=1, le=64, description="Tensor-parallel ranks per pipeline stage.")
     pipeline: int = Field(default=1, ge=1, le=64, description="Pipeline stages.")
@@ -230,7 +231,16 @@ class TemplateSpec(Wire):
         default=0,
         ge=0,
         le=1,  # a rank runs on one device: a second would sit idle, reserved from everyone else
-        description="Accelerators per rank pod (0 or 1: a rank runs on one), added to requests and limits.",
+        description="Accelerators per rank (0 or 1: a rank runs on one); a pod requests "
+        "gpusPerRank x ranksPerPod of them (requests and limits).",
+    )
+    ranks_per_pod: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Ranks per pod: 1 (a pod per rank) or parallelism.tensor (a pod per pipeline stage "
+        "holding the stage's whole tensor-parallel group as local processes, one pod per node as "
+        "LeaderWorkerSet runs it: NVLink between the stage's GPUs, pipeline stages across pods).",
     )
     gpu_resource_name: str = Field(
         default="nvidia.com/gpu", min_length=1, description="Extended resource name of the accelerator."
@@ -389,7 +399,8 @@ class InferenceClusterSpec(Wire):
         ge=0,
         le=MAX_REPLICAS,
         description=f"Replica (data-parallel) groups, at most {MAX_REPLICAS}; the operator also caps "
-        "pods per cluster ((max(replicas, autoscaling.maxReplicas) + rollout.maxSurge) x tensor x pipeline).",
+        "pods per cluster ((max(replicas, autoscaling.maxReplicas) + rollout.maxSurge) x pods per group: "
+        "tensor x pipeline / template.ranksPerPod).",
     )
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
     template: TemplateSpec = Field(default_factory=TemplateSpec, description="Rank pod template.")
@@ -405,6 +416,21 @@ class InferenceClusterSpec(Wire):
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="NetworkPolicies the operator keeps for the cluster."
     )
+
+    @property
+    def pods_per_stage(self) -> int:
+        """A stage's pods: one per TP rank, or one holding them all (template.ranksPerPod)."""
+        return max(self.parallelism.tensor // self.template.ranks_per_pod, 1)
+
+    @property
+    def pods_per_group(self) -> int:
+        """The one count of a replica group's pods: its desired pods, its PDB share, the pod cap."""
+        return self.pods_per_stage * self.parallelism.pipeline
+
+    @property
+    def stage_pods(self) -> bool:
+        """Each pod holds a whole stage (named `<cluster>-g<group>-s<stage>`), not one rank."""
+        return self.template.ranks_per_pod > 1
 
 
 GroupPhase = Literal["Pending", "Starting", "Ready", "Failed", "BackingOff", "Updating", "Terminating"]

@@ -25,6 +25,7 @@ from tessera.topology import (
     GROUP_SECRET_FILE_NAME,
     GROUP_SECRET_MOUNT_DIR,
     LAYOUT_ENV,
+    LOCAL_RANKS_ENV,
     ParallelLayout,
     Topology,
 )
@@ -56,7 +57,11 @@ LEADER_DEREGISTER_SECONDS = 5
 WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + 8
 # Variables the operator owns in every rank pod; the user's env must not shadow them. The
 # layout's count even where a default layout leaves them out (a layer partition, experts).
-RESERVED_ENV = frozenset(Topology.model_validate({}).to_env()) | set(LAYOUT_ENV.values()) | {"PYTHONHASHSEED"}
+RESERVED_ENV = (
+    frozenset(Topology.model_validate({}).to_env())
+    | set(LAYOUT_ENV.values())
+    | {LOCAL_RANKS_ENV, "PYTHONHASHSEED"}
+)
 # Where the runtime writes (emptyDirs; the root filesystem is read-only). The user's env or
 # volumeMounts may point any of them elsewhere, e.g. TESSERA_CACHE at a persistent volume.
 WRITABLE_ENV = {"TESSERA_CACHE": naming.CACHE_DIR, "TMPDIR": naming.TMP_DIR, "HOME": naming.TMP_DIR}
@@ -108,6 +113,7 @@ REVISION_BASELINE: dict[str, Any] = {
         "imagePullSecrets": [],
         "resources": None,
         "gpusPerRank": 0,
+        "ranksPerPod": 1,
         "gpuResourceName": "nvidia.com/gpu",
         "nodeSelector": {},
         "tolerations": [],
@@ -170,7 +176,7 @@ def _digest(wire: dict[str, Any], sparse: dict[str, Any]) -> str:
 def pod_equivalent(wire: dict[str, Any]) -> dict[str, Any]:
     """The spec as its pods tell it: a value that builds the same pods as the baseline's reads as
     the baseline's (a served name equal to the source, an empty object, a GPU resource name with
-    no GPUs, placement with one rank per stage)."""
+    no GPUs, placement with one pod per stage)."""
     wire = copy.deepcopy(wire)
     model, engine, template = wire["model"], wire["engine"], wire["template"]
     baseline = REVISION_BASELINE
@@ -185,7 +191,9 @@ def pod_equivalent(wire: dict[str, Any]) -> dict[str, Any]:
             template[key] = None
     if template["gpusPerRank"] == 0:
         template["gpuResourceName"] = baseline["template"]["gpuResourceName"]
-    if wire["parallelism"]["tensor"] == 1:  # no stage has ranks to keep together
+    if (
+        wire["parallelism"]["tensor"] // wire["template"]["ranksPerPod"] <= 1
+    ):  # no stage has pods to keep together
         wire["placement"] = dict(baseline["placement"])
     elif wire["placement"]["mode"] == "none":
         wire["placement"]["topologyKey"] = baseline["placement"]["topologyKey"]
@@ -224,7 +232,7 @@ def topology_for(
         ),
         tp_rank=tp_rank,
         pp_rank=stage,
-        leader_addr=naming.leader_dns(ref.name, ref.namespace, group),
+        leader_addr=naming.leader_dns(ref.name, ref.namespace, group, spec.stage_pods),
         dist_port=DEFAULT_DIST_PORT,
         rpc_port=DEFAULT_RPC_PORT,
         api_port=DEFAULT_API_PORT,
@@ -276,7 +284,7 @@ def container_command(spec: InferenceClusterSpec, leader: bool) -> tuple[list[st
 
 def resources_for(spec: InferenceClusterSpec) -> dict[str, Any]:
     resources = copy.deepcopy(spec.template.resources or {})
-    gpus = spec.template.gpus_per_rank
+    gpus = spec.template.gpus_per_rank * spec.template.ranks_per_pod  # every rank of the pod its own
     if gpus > 0:
         for kind in ("requests", "limits"):
             resources.setdefault(kind, {})[spec.template.gpu_resource_name] = gpus
@@ -284,10 +292,11 @@ def resources_for(spec: InferenceClusterSpec) -> dict[str, Any]:
 
 
 def affinity_for(spec: InferenceClusterSpec, cluster: str, group: int, stage: int) -> dict[str, Any] | None:
-    """The user's affinity plus a pod-affinity term that keeps one stage's TP ranks together."""
+    """The user's affinity plus a pod-affinity term that keeps one stage's TP ranks together (a pod
+    holding the whole stage needs none)."""
     affinity = copy.deepcopy(spec.template.affinity or {})
     placement = spec.placement
-    if placement.mode != "none" and spec.parallelism.tensor > 1:
+    if placement.mode != "none" and spec.pods_per_stage > 1:
         term = {
             "labelSelector": {
                 "matchLabels": {
@@ -313,7 +322,7 @@ def env_for(topology: Topology, spec: InferenceClusterSpec) -> list[dict[str, An
     kubelet expands `$(TESSERA_RANK)` in a value only from variables listed before it."""
     user = [var.wire() for var in spec.template.env if var.name not in RESERVED_ENV | {GROUP_SECRET_FILE_ENV}]
     user_names = {var["name"] for var in user}
-    env = [{"name": k, "value": v} for k, v in topology.to_env().items()]
+    env = [{"name": k, "value": v} for k, v in topology.to_env(spec.template.ranks_per_pod).items()]
     env.append({"name": "PYTHONHASHSEED", "value": PYTHONHASHSEED})
     # The file's path, never the secret: an environment shows in `kubectl describe` and dumps.
     env.append({"name": GROUP_SECRET_FILE_ENV, "value": DEFAULT_GROUP_SECRET_FILE})
@@ -354,23 +363,30 @@ def volumes_for(
     return volumes + copy.deepcopy(user_volumes), mounts + copy.deepcopy(user_mounts)
 
 
-def pod_labels(ref: ClusterRef, group: int, stage: int, tp_rank: int, revision: str) -> dict[str, str]:
-    return {
+def pod_labels(ref: ClusterRef, group: int, stage: int, tp_rank: int | None, revision: str) -> dict[str, str]:
+    """tp_rank None: a pod holding its stage's whole TP group (no TP rank of its own)."""
+    labels = {
         **naming.MANAGED_BY,
         naming.CLUSTER_LABEL: ref.name,
         naming.GROUP_LABEL: str(group),
         naming.STAGE_LABEL: str(stage),
         naming.TP_RANK_LABEL: str(tp_rank),
-        naming.ROLE_LABEL: naming.LEADER if stage == 0 and tp_rank == 0 else naming.WORKER,
+        naming.ROLE_LABEL: naming.LEADER if stage == 0 and tp_rank in (0, None) else naming.WORKER,
         naming.REVISION_LABEL: revision,
     }
+    if tp_rank is None:
+        del labels[naming.TP_RANK_LABEL]
+    return labels
 
 
 def build_pod(
     ref: ClusterRef, spec: InferenceClusterSpec, revision: str, group: int, stage: int, tp_rank: int
 ) -> dict[str, Any]:
+    """The pod of rank (stage, tp_rank); with stage pods (ranksPerPod), the pod of its stage, which
+    runs the stage's ranks from tp_rank 0 on."""
     topology = topology_for(ref, spec, group, stage, tp_rank)
-    name = naming.pod_name(ref.name, group, stage, tp_rank)
+    pod_tp_rank = None if spec.stage_pods else tp_rank
+    name = naming.pod_name(ref.name, group, stage, pod_tp_rank)
     template = spec.template
     volumes, mounts = volumes_for(spec, ref.name, group)
     container = rank_container(spec, topology, mounts)
@@ -380,8 +396,8 @@ def build_pod(
         "metadata": {
             "name": name,
             "namespace": ref.namespace,
-            "labels": {**template.labels, **pod_labels(ref, group, stage, tp_rank, revision)},
-            "annotations": {**template.annotations, naming.GROUP_SIZE_ANNOTATION: str(topology.world_size)},
+            "labels": {**template.labels, **pod_labels(ref, group, stage, pod_tp_rank, revision)},
+            "annotations": {**template.annotations, naming.GROUP_SIZE_ANNOTATION: str(spec.pods_per_group)},
             "ownerReferences": [owner_reference(ref)],
         },
         "spec": rank_pod_spec(ref, spec, name, (group, stage), container, volumes),
@@ -482,12 +498,12 @@ def rank_pod_spec(
 def build_group(
     ref: ClusterRef, spec: InferenceClusterSpec, revision: str, group: int
 ) -> list[dict[str, Any]]:
-    """All pods of one replica group, leader first."""
+    """All pods of one replica group, leader first: one per rank, or one per stage (ranksPerPod)."""
     par = spec.parallelism
     return [
         build_pod(ref, spec, revision, group, stage, tp)
         for stage in range(par.pipeline)
-        for tp in range(par.tensor)
+        for tp in range(0, par.tensor, spec.template.ranks_per_pod)
     ]
 
 
@@ -545,7 +561,7 @@ def build_disruption_budget(
     must always be able to proceed, and one group cannot stay up through it anyway."""
     if spec.replicas < 2 or not spec.disruption_budget.enabled:
         return None
-    pods = (spec.replicas + surge_groups) * spec.parallelism.tensor * spec.parallelism.pipeline
+    pods = (spec.replicas + surge_groups) * spec.pods_per_group
     budget: dict[str, Any] = {
         # An integer minAvailable: the disruption controller counts the selected pods and needs
         # no scale subresource in pods (ours counts groups).

@@ -31,7 +31,11 @@ MAX_CLUSTER_NAME = 40
 CLUSTER_NAME_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
-def pod_name(cluster: str, group: int, stage: int, tp_rank: int) -> str:
+def pod_name(cluster: str, group: int, stage: int, tp_rank: int | None) -> str:
+    """A rank's pod, `<cluster>-g<group>-s<stage>-t<tp>`; tp_rank None: the pod holding the
+    stage's whole TP group (spec.template.ranksPerPod), `<cluster>-g<group>-s<stage>`."""
+    if tp_rank is None:
+        return f"{cluster}-g{group}-s{stage}"
     return f"{cluster}-g{group}-s{stage}-t{tp_rank}"
 
 
@@ -44,9 +48,11 @@ def client_service_name(cluster: str) -> str:
     return cluster
 
 
-def leader_dns(cluster: str, namespace: str, group: int) -> str:
-    """Stable DNS name of a group's rank-0 pod, resolvable before it is Ready (publishNotReadyAddresses)."""
-    return f"{pod_name(cluster, group, 0, 0)}.{headless_service_name(cluster)}.{namespace}.svc"
+def leader_dns(cluster: str, namespace: str, group: int, stage_pods: bool = False) -> str:
+    """Stable DNS name of a group's rank-0 pod, resolvable before it is Ready (publishNotReadyAddresses);
+    `stage_pods`: the group's pods each hold a whole stage."""
+    leader = pod_name(cluster, group, 0, None if stage_pods else 0)
+    return f"{leader}.{headless_service_name(cluster)}.{namespace}.svc"
 
 
 def cluster_selector(cluster: str) -> dict[str, str]:

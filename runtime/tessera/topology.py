@@ -28,6 +28,12 @@ GROUP_SECRET_FILE_NAME = "secret"
 DEFAULT_GROUP_SECRET_FILE = f"{GROUP_SECRET_MOUNT_DIR}/{GROUP_SECRET_FILE_NAME}"
 
 
+# How many ranks one pod runs as local processes: the rank its environment names and the next
+# ones of the same stage (the operator's spec.template.ranksPerPod, written only when above one).
+# Each process then gets its own rank's environment, with LOCAL_RANK its index in the pod.
+LOCAL_RANKS_ENV = "TESSERA_LOCAL_RANKS"
+
+
 class TopologyError(ValueError):
     """The topology environment is missing or inconsistent; the message names the variable."""
 
@@ -270,8 +276,10 @@ class Topology(BaseModel):
         pp_rank, tp_rank = divmod(rank, self.tp_size)
         return self.model_copy(update={"pp_rank": pp_rank, "tp_rank": tp_rank})
 
-    def to_env(self) -> dict[str, str]:
-        """The environment a rank process (or pod) receives; torch's own names carry the same values."""
+    def to_env(self, local_ranks: int = 1) -> dict[str, str]:
+        """The environment a rank process (or pod) receives; torch's own names carry the same values.
+
+        ``local_ranks``: a pod running this rank and the next ones of its stage (LOCAL_RANKS_ENV)."""
         env = {
             "TESSERA_CLUSTER": self.cluster,
             "TESSERA_NAMESPACE": self.namespace,
@@ -299,7 +307,22 @@ class Topology(BaseModel):
             env["TESSERA_LAYER_PARTITION"] = ",".join(str(n) for n in self.layer_partition)
         if self.expert_parallel:  # only when on: pods of dense layouts keep the environment they had
             env["TESSERA_EXPERT_PARALLEL"] = "true"
+        if local_ranks != 1:  # only then: one-rank pods keep the environment they had
+            env[LOCAL_RANKS_ENV] = str(local_ranks)
         return env
+
+    def local_ranks(self, environ: Mapping[str, str]) -> list[int]:
+        """The ranks this pod runs (LOCAL_RANKS_ENV, default one): this rank and the next ones of
+        its stage, never past it (a pod holds a stage's TP ranks, stages span pods)."""
+        count = read_int(environ, LOCAL_RANKS_ENV, 1)
+        if count < 1:
+            raise TopologyError(f"{LOCAL_RANKS_ENV} must be >= 1, got {count}")
+        if self.tp_rank + count > self.tp_size:
+            raise TopologyError(
+                f"{LOCAL_RANKS_ENV}={count} from TESSERA_TP_RANK={self.tp_rank} runs past the stage's "
+                f"TESSERA_TP_SIZE={self.tp_size} ranks: a pod holds ranks of one stage only"
+            )
+        return [self.rank + index for index in range(count)]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> Topology:

@@ -54,7 +54,7 @@ def _not_allowed(what: str, flag: str) -> str:
 
 def check_pod_count(spec: InferenceClusterSpec, policy: PodPolicy) -> list[FieldError]:
     """Pods at the peak: the most groups the spec or its autoscaler asks for, plus surge groups."""
-    group = spec.parallelism.tensor * spec.parallelism.pipeline
+    group = spec.pods_per_group
     cap = policy.max_pods_per_cluster
     autoscaled = spec.autoscaling.max_replicas if spec.autoscaling and spec.autoscaling.enabled else 0
     surge = spec.rollout.max_surge
@@ -67,7 +67,8 @@ def check_pod_count(spec: InferenceClusterSpec, policy: PodPolicy) -> list[Field
             return [
                 FieldError(
                     field,
-                    f"{groups} groups x {group} pods per group (tensor x pipeline) = {groups * group} pods, "
+                    f"{groups} groups x {group} pods per group (tensor x pipeline / template.ranksPerPod) = "
+                    f"{groups * group} pods, "
                     f"more than the operator's cap of {cap} pods per cluster (--max-pods-per-cluster)",
                 )
             ]

@@ -89,6 +89,15 @@ def validate_layout(spec: InferenceClusterSpec) -> list[FieldError]:
     par = spec.parallelism
     if par.sequence_parallel and par.tensor < 2:
         errors.append(FieldError("spec.parallelism.sequenceParallel", "needs spec.parallelism.tensor > 1"))
+    per_pod = spec.template.ranks_per_pod
+    if per_pod not in (1, par.tensor):
+        errors.append(
+            FieldError(
+                "spec.template.ranksPerPod",
+                f"must be 1 (a pod per rank) or spec.parallelism.tensor ({par.tensor}: a pod per pipeline "
+                f"stage holding its whole tensor-parallel group), got {per_pod}",
+            )
+        )
     model = known_model(spec.model.source)
     layers = model.num_layers if model is not None else None
     problem = model.tensor_split_problem(par.tensor, par.expert_parallel) if model is not None else None
@@ -297,7 +306,7 @@ def capped_spec(
     if not errors or any(e.field not in COUNT_FIELDS for e in errors):
         return None
     spec = InferenceClusterSpec.model_validate(raw_spec)
-    group = spec.parallelism.tensor * spec.parallelism.pipeline
+    group = spec.pods_per_group
     allowed = max(policy.max_pods_per_cluster // group - spec.rollout.max_surge, 0)
     capped = spec.model_copy(update={"replicas": min(spec.replicas, allowed)})
     return None if validate_spec(capped, policy) else capped

@@ -196,15 +196,16 @@ def is_orphan(pod: dict[str, Any], cluster: str) -> bool:
     return is_orphaned(pod, cluster) and rank_of(pod, cluster) is not None
 
 
-def rank_of(pod: dict[str, Any], cluster: str) -> tuple[int, int, int] | None:
+def rank_of(pod: dict[str, Any], cluster: str) -> tuple[int, int, int | None] | None:
     """(group, stage, tp rank) of a pod whose labels say so and whose name is the one the cluster
-    gives that rank; None for any other pod."""
+    gives that rank (tp rank None: a pod holding its stage's whole TP group, which has no TP
+    rank label); None for any other pod."""
     meta = pod["metadata"]
     labels = meta.get("labels") or {}
     try:
         group = int(labels[naming.GROUP_LABEL])
         stage = int(labels[naming.STAGE_LABEL])
-        tp = int(labels[naming.TP_RANK_LABEL])
+        tp = int(labels[naming.TP_RANK_LABEL]) if naming.TP_RANK_LABEL in labels else None
     except (KeyError, ValueError):
         return None
     return (group, stage, tp) if meta["name"] == naming.pod_name(cluster, group, stage, tp) else None

@@ -189,7 +189,7 @@ def _backing_off(
         else f"at revision {revision}, without the backoff of the one before"
     )
     result.events.append(Event("Normal", "GroupRestarted", f"recreating group {index} {why}"))
-    size = spec.parallelism.tensor * spec.parallelism.pipeline  # `pods` counts what exists after this pass
+    size = spec.pods_per_group  # `pods` counts what exists after this pass
     return status.model_copy(
         update={"phase": "Pending", "revision": revision, "pods": size, "next_restart_time": None}
     )

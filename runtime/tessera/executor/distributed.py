@@ -18,14 +18,11 @@ the one the operator mounts, and refuses to start without it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -42,16 +39,9 @@ from tessera.executor.base import Executor, ExecutorFailedError
 from tessera.ports import free_port
 from tessera.topology import GROUP_SECRET_FILE_ENV, Topology
 from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
+from tessera.worker.rank_launch import rank_env, start_rank
 from tessera.worker.worker import STEP_TIMEOUT_S
-from tessera.worker.worker_proc import (
-    LOCAL_RANK_ENV,
-    LOCAL_STARTUP_TIMEOUT_S,
-    LOCAL_WORLD_SIZE_ENV,
-    PARENT_PID_ENV,
-    RANK_STARTUP_TIMEOUT_S,
-    RANKS_IPC_PARENT_ENV,
-    RPC_ADDR_ENV,
-)
+from tessera.worker.worker_proc import LOCAL_STARTUP_TIMEOUT_S, RANK_STARTUP_TIMEOUT_S, RANKS_IPC_PARENT_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -143,23 +133,9 @@ class DistributedExecutor(Executor):
     # --- ranks -----------------------------------------------------------------------------------
     def _spawn(self, rank: int, local_index: int, local_world: int, rpc_addr: str) -> subprocess.Popen[bytes]:
         """Start one rank as `tessera worker`, with exactly the environment a pod would get."""
-        env = dict(os.environ)
-        env.update(self.topology.for_rank(rank).to_env())
-        env[RPC_ADDR_ENV] = rpc_addr
-        env[GROUP_SECRET_FILE_ENV] = self.secret_file
-        env[LOCAL_RANK_ENV] = str(local_index)
-        env[LOCAL_WORLD_SIZE_ENV] = str(local_world)
-        env[PARENT_PID_ENV] = str(os.getpid())
-        if self.topology.leader_addr in ("127.0.0.1", "localhost"):
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        # The parent-death signal fires when the *thread* that started the rank ends: only the
-        # main thread lives as long as the process (an offline LLM may be built on any thread).
-        # Elsewhere a rank still exits when its parent process is gone (WorkerLink watches it).
-        on_main_thread = threading.current_thread() is threading.main_thread()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tessera.cli", "worker"],
-            env=env,
-            preexec_fn=_die_with_parent if on_main_thread else None,
+        topology = self.topology.for_rank(rank)
+        proc = start_rank(
+            rank_env(os.environ, topology, local_index, local_world, rpc_addr, self.secret_file)
         )
         threading.Thread(
             target=self._watch, args=(rank, proc), name=f"watch-rank-{rank}", daemon=True
@@ -314,7 +290,8 @@ class MultiprocExecutor(DistributedExecutor):
 
 
 class RemoteRanksExecutor(DistributedExecutor):
-    """The leader pod: rank 0 runs here, every other rank is a pod that joins over TCP."""
+    """The leader pod: rank 0 runs here (with the next ranks of stage 0 when the pod holds the
+    stage's whole TP group, TESSERA_LOCAL_RANKS), every other rank is in a pod that joins over TCP."""
 
     def __init__(self, config: EngineConfig, topology: Topology) -> None:
         if not topology.is_leader:
@@ -327,14 +304,8 @@ class RemoteRanksExecutor(DistributedExecutor):
         super().__init__(
             config,
             topology,
-            [0],
+            topology.local_ranks(os.environ),
             [f"tcp://*:{topology.rpc_port}"],
             RANK_STARTUP_TIMEOUT_S,
             group_secret_file=secret_file(os.environ),
         )
-
-
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: a rank never outlives the engine core that started it, even on SIGKILL.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)

@@ -41,13 +41,16 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("TESSERA_COLLECTIVE_TIMEOUT", "120")
 STEP_TIMEOUT_S = float(os.environ.get("TESSERA_STEP_TIMEOUT", "300"))
 
 
-def select_device(config: EngineConfig, local_rank: int = 0) -> torch.device:
+def select_device(config: EngineConfig, local_rank: int = 0, local_world_size: int = 1) -> torch.device:
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         visible = torch.cuda.device_count()
         if local_rank >= visible:
             raise RuntimeError(
-                f"local rank {local_rank} needs cuda:{local_rank}, but this process sees {visible} "
-                "GPU(s): give each rank its own GPU (CUDA_VISIBLE_DEVICES, or the pod's GPU request)"
+                f"local rank {local_rank} of the {local_world_size} ranks here needs cuda:{local_rank}, "
+                f"but this process sees {visible} GPU(s): more ranks than devices. Give each rank its own "
+                "GPU: a pod of several ranks (TESSERA_LOCAL_RANKS, an InferenceCluster's "
+                "spec.template.ranksPerPod) requests gpusPerRank x ranksPerPod of them; elsewhere "
+                "CUDA_VISIBLE_DEVICES names them"
             )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -89,7 +92,7 @@ class Worker:
         group_keys: GroupKeys | None = None,
     ) -> None:
         self.topology = topology or Topology(layout=config.parallel)
-        self.device = select_device(config, local_rank)
+        self.device = select_device(config, local_rank, local_world_size)
         self.pinned_cpus: list[int] | None = None
         if self.device.type == "cpu":
             threads = config.num_threads or default_num_threads(local_world_size)

@@ -1,5 +1,8 @@
 """One rank's process, the same for local ranks and for pods: `tessera worker`.
 
+(In a pod that runs several ranks, TESSERA_LOCAL_RANKS, `tessera worker` starts one such process
+per rank and supervises them: ``pod_ranks``.)
+
 topology (from the environment) -> connect to the leader -> receive the engine configuration
 -> device and threads -> process groups -> load this rank's shards -> READY -> serve calls and
 steps until SHUTDOWN. Any failure is reported to the leader (FATAL) and exits non-zero; a
@@ -17,15 +20,10 @@ import traceback
 from typing import Any
 
 from tessera.topology import GROUP_SECRET_FILE_ENV, Topology, TopologyError
+from tessera.worker.rank_launch import LOCAL_RANK_ENV, LOCAL_WORLD_SIZE_ENV, PARENT_PID_ENV, RPC_ADDR_ENV
 
 logger = logging.getLogger("tessera.worker")
 
-# Set by the local executor for the ranks it starts; pods use the topology's TCP address.
-RPC_ADDR_ENV = "TESSERA_RPC_ADDR"
-LOCAL_RANK_ENV = "LOCAL_RANK"
-LOCAL_WORLD_SIZE_ENV = "TESSERA_LOCAL_WORLD_SIZE"
-# The pid of the process that started this rank: once it is gone (getppid() differs), so is the rank.
-PARENT_PID_ENV = "TESSERA_PARENT_PID"
 # Where a leader makes its local ranks' socket folder (default: the temporary folder).
 RANKS_IPC_PARENT_ENV = "TESSERA_RANKS_IPC_PARENT"
 # How long a leader waits for its ranks to join and load, and a rank for its leader: pods may
@@ -57,6 +55,7 @@ def run_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank] %(message)s")
     try:
         topology = Topology.from_env(environ)
+        local_ranks = topology.local_ranks(environ)
     except TopologyError as exc:
         logger.error("invalid topology environment: %s", exc)
         return 2
@@ -69,6 +68,10 @@ def run_worker(environ: dict[str, str] | os._Environ[str] = os.environ) -> int:
     except GroupSecretError as exc:  # no secret, no way in: say which file, and how to name another
         logger.error("rank %d cannot join its leader: %s", topology.rank, exc)
         return 2
+    if len(local_ranks) > 1:  # a pod of several ranks: this process only starts and watches them
+        from tessera.worker.pod_ranks import run_pod_ranks
+
+        return run_pod_ranks(topology, local_ranks, environ, leader_rpc_addr(topology, environ))
     cpu_binding.OWN_PROCESS = True  # a rank process: its threads are nobody else's
     parent_pid = int(environ[PARENT_PID_ENV]) if environ.get(PARENT_PID_ENV, "").isdigit() else None
     if parent_pid is not None:
