@@ -34,41 +34,55 @@ def rank_pod_processes(
     """Start group 0's pods (leader first; the last one `last_pod_delay_s` after the leader's own
     rank began to join, as a pod still pulling its image would); returns the processes and the
     leader's HTTP port."""
+    pods = group_pods(spec)
+    loopback = loopback_env(log_dir)
+    procs = []
+    for pod in pods:
+        if last_pod_delay_s and pod is pods[-1]:
+            wait_for_line(log_dir / f"{pods[0]['metadata']['name']}.log", b"rank 0 of", 120)
+            time.sleep(last_pod_delay_s)
+        procs.append(pod_process(pod, loopback, log_dir))
+    return procs, int(loopback["TESSERA_API_PORT"])
+
+
+def group_pods(spec: InferenceClusterSpec) -> list[dict[str, Any]]:
+    """Group 0's pods as the operator builds them, leader first."""
     ref = builders.ClusterRef("demo", "ns", "uid-1")
-    pods = builders.build_group(ref, spec, builders.revision_of(spec), 0)
+    return builders.build_group(ref, spec, builders.revision_of(spec), 0)
+
+
+def loopback_env(log_dir: Path) -> dict[str, str]:
+    """What a pod network provides, on loopback: the leader's address, free ports, the group secret."""
     ports = {
         "TESSERA_DIST_PORT": free_port(),
         "TESSERA_RPC_PORT": free_port(),
         "TESSERA_API_PORT": free_port(),
     }
-    loopback = {
+    return {
         "TESSERA_LEADER_ADDR": "127.0.0.1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(ports["TESSERA_DIST_PORT"]),
         "GLOO_SOCKET_IFNAME": "lo",
         **{name: str(port) for name, port in ports.items()},
+        GROUP_SECRET_FILE_ENV: group_secret_file(log_dir),
     }
-    loopback[GROUP_SECRET_FILE_ENV] = group_secret_file(log_dir)
-    procs = []
-    for pod in pods:
-        container = pod["spec"]["containers"][0]
-        env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
-        for name in HOST_PATH_ENV:
-            env.pop(name, None)
-        env = {**os.environ, **env, **loopback, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        env.pop("TESSERA_API_KEY", None)
-        args = [
-            ports["TESSERA_API_PORT"] if a == str(builders.DEFAULT_API_PORT) else a for a in container["args"]
-        ]
-        args = ["127.0.0.1" if a == "0.0.0.0" else str(a) for a in args]
-        assert container["command"][0] == "tessera"
-        command = [sys.executable, "-m", "tessera.cli", *container["command"][1:], *args]
-        if last_pod_delay_s and pod is pods[-1]:
-            wait_for_line(log_dir / f"{pods[0]['metadata']['name']}.log", b"rank 0 of", 120)
-            time.sleep(last_pod_delay_s)
-        log = (log_dir / f"{pod['metadata']['name']}.log").open("wb")
-        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs, ports["TESSERA_API_PORT"]
+
+
+def pod_process(pod: dict[str, Any], loopback: dict[str, str], log_dir: Path) -> subprocess.Popen[bytes]:
+    """The pod's container command and environment as a process (its log: `<pod name>.log`)."""
+    container = pod["spec"]["containers"][0]
+    env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
+    for name in HOST_PATH_ENV:
+        env.pop(name, None)
+    env = {**os.environ, **env, **loopback, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("TESSERA_API_KEY", None)
+    api_port = loopback["TESSERA_API_PORT"]
+    args = [api_port if a == str(builders.DEFAULT_API_PORT) else a for a in container["args"]]
+    args = ["127.0.0.1" if a == "0.0.0.0" else str(a) for a in args]
+    assert container["command"][0] == "tessera"
+    command = [sys.executable, "-m", "tessera.cli", *container["command"][1:], *args]
+    log = (log_dir / f"{pod['metadata']['name']}.log").open("wb")
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def group_secret_file(folder: Path) -> str:

@@ -30,6 +30,9 @@ def test_the_device_picks_the_backend_and_the_local_rank_picks_the_gpu(
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(RuntimeError, match="sees 1 GPU"):
         select_device(EngineConfig(model="m", device="cuda"), local_rank=1)
+    # A pod of several ranks that asked for too few devices: the message names the pod's field.
+    with pytest.raises(RuntimeError, match=r"local rank 2 of the 4 ranks.*sees 1 GPU.*ranksPerPod"):
+        select_device(EngineConfig(model="m", device="cuda"), local_rank=2, local_world_size=4)
 
 
 @pytest.mark.parametrize(("bf16_in_hardware", "expected"), [(True, torch.bfloat16), (False, torch.float16)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 from typing import Any
@@ -115,6 +116,19 @@ def test_scale_adds_and_removes_whole_groups(crds: Any, k8s_namespace: str) -> N
         cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=1")
         wait_for(lambda: {n.split("-")[1] for n in pod_names(cluster, ns)} == {"g0"}, "only group 0")
         wait_for(lambda: ic(cluster, ns, "smollm2")["status"]["replicas"] == 1, "status.replicas 1")
+        # A pod per stage (template.ranksPerPod = tensor): the rollout leaves a group of 2 pods.
+        patch = {"spec": {"template": {"ranksPerPod": 3}}}
+        cluster.kubectl("patch", "ic", "smollm2", "-n", ns, "--type", "merge", "-p", json.dumps(patch))
+
+        def stage_pods() -> bool:
+            names = pod_names(cluster, ns)
+            return len(names) == 2 and all(re.fullmatch(r"smollm2-g\d+-s[01]", n) for n in names)
+
+        wait_for(stage_pods, "a group of one pod per stage")
+        wait_for(lambda: ic(cluster, ns, "smollm2")["status"].get("updatedReplicas") == 1, "rolled out")
+        leader = next(p for p in pods(cluster, ns) if p["metadata"]["name"].endswith("-s0"))
+        assert env_of(leader)["TESSERA_LOCAL_RANKS"] == "3"
+        assert ic(cluster, ns, "smollm2")["status"]["groups"][0]["pods"] == 2
 
 
 def evict(cluster: Any, ns: str, name: str) -> int:
