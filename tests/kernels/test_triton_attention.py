@@ -132,7 +132,7 @@ def run_kernels(
     scale: float,
     window: int | None,
     softcap: float,
-    partition_size: int,
+    min_partition_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write the cache, attend the decodes and the prefills as the model's Triton path does."""
     kv_cache = batch.kv_cache.clone()
@@ -151,7 +151,7 @@ def run_kernels(
         scale,
         window,
         softcap,
-        partition_size=partition_size,
+        min_partition_size=min_partition_size,
     )
     block_q = kernels.prefill_block_q(batch.head_dim, batch.heads // batch.kv_heads)
     tiles = kernels.prefill_tiles(
@@ -177,10 +177,10 @@ def check(
     batch: Batch,
     window: int | None = None,
     softcap: float = 0.0,
-    partition_size: int = 16,
+    min_partition_size: int = 16,
 ) -> float:
     scale = batch.head_dim**-0.5
-    kv_cache, out = run_kernels(kernels, batch, scale, window, softcap, partition_size)
+    kv_cache, out = run_kernels(kernels, batch, scale, window, softcap, min_partition_size)
     assert torch.equal(kv_cache, reference_write(batch))
     expected = reference_attention(batch, kv_cache, scale, window, softcap)
     error = ((out.float() - expected).abs().max() / expected.abs().max()).item()
@@ -208,15 +208,16 @@ def test_cache_write_is_exact_and_skips_padding(interpreted_kernels: ModuleType,
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_split_over_partitions_with_gqa(interpreted_kernels: ModuleType, dtype: torch.dtype) -> None:
-    # Contexts of 1 to 53 keys over 16-key partitions: up to 4 partitions, some empty for short ones.
+    # Contexts of 1 to 53 keys over partitions of 16 or more: some empty for the short ones.
     batch = make_batch([0, 12, 52, 30], [1, 1, 1, 1], heads=8, kv_heads=2, head_dim=32, dtype=dtype)
     batch.num_decodes = 4  # the first (cached 0) decodes its prompt's only token
+    assert interpreted_kernels.split_context(53, 4, 2, min_partition_size=16)[0] > 1
     check(interpreted_kernels, batch)
 
 
 def test_decode_in_one_partition_writes_output_directly(interpreted_kernels: ModuleType) -> None:
     batch = make_batch([9, 20, 3], [1, 1, 1], heads=4, kv_heads=4, head_dim=16, dtype=torch.float32)
-    check(interpreted_kernels, batch, partition_size=512)
+    check(interpreted_kernels, batch, min_partition_size=512)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -250,6 +251,14 @@ def test_mixed_batch_with_window_and_softcap(interpreted_kernels: ModuleType, dt
 def test_head_dims_padded_to_a_power_of_two(interpreted_kernels: ModuleType, head_dim: int) -> None:
     batch = make_batch([10, 0], [1, 7], heads=2, kv_heads=1, head_dim=head_dim, dtype=torch.float32)
     check(interpreted_kernels, batch)
+
+
+def test_context_split_only_while_the_batch_is_small(interpreted_kernels: ModuleType) -> None:
+    split = interpreted_kernels.split_context
+    assert split(8192, 2, 8) == (32, 256)  # 16 programs: split to fill the GPU
+    assert split(8192, 64, 8) == (2, 4096)  # 512 programs: two partitions are enough
+    assert split(8192, 256, 8) == (1, 8192)
+    assert split(100, 1, 1) == (1, 256)
 
 
 def test_unsupported_head_dim_is_named(interpreted_kernels: ModuleType) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from tessera.kernels.triton.attention_tile import INTERPRETED
 from tessera.kernels.triton.cache_write import write_kv_cache
-from tessera.kernels.triton.decode_attention import PARTITION_SIZE, decode_attention, num_partitions
+from tessera.kernels.triton.decode_attention import decode_attention, split_context
 from tessera.kernels.triton.prefill_attention import (
     PrefillTiles,
     prefill_attention,
@@ -26,12 +26,11 @@ from tessera.kernels.triton.prefill_attention import (
 
 __all__ = [
     "INTERPRETED",
-    "PARTITION_SIZE",
     "PrefillTiles",
     "decode_attention",
-    "num_partitions",
     "prefill_attention",
     "prefill_block_q",
     "prefill_tiles",
+    "split_context",
     "write_kv_cache",
 ]

@@ -1,10 +1,11 @@
 """Decode attention: one query token per sequence, split-K over long contexts.
 
 A decode has one query row per head, too little work to fill a GPU over a long context from
-one program per (sequence, KV head). The context is cut into partitions of
-``partition_size`` keys attended in parallel (grid axis 2); ``_combine_partitions`` then
-merges each head's partial outputs by their maxima and sums. A context that fits one
-partition skips the merge: its program writes the output.
+one program per (sequence, KV head). The context is cut into partitions attended in
+parallel (grid axis 2); ``_combine_partitions`` then merges each head's partial outputs by
+their maxima and sums. Only as many partitions as the batch needs to fill the GPU are used
+(``split_context``), so a large batch, already parallel enough, keeps one partition and its
+programs write the output, skipping the merge and its fp32 workspace.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from tessera.kernels.triton.shapes import (
     next_power_of_2,
 )
 
-# Keys per partition: long enough that each program amortises its start, short enough that a
-# handful of long decodes still spread over the GPU's multiprocessors.
-PARTITION_SIZE = 512
+# Fewest keys per partition: enough that each program amortises its start and the merge.
+MIN_PARTITION_SIZE = 256
+# Programs worth launching: several per multiprocessor of a large GPU (132 on an H100), so a
+# few long decodes still spread over all of them. It also bounds the partials' workspace.
+TARGET_PROGRAMS = 1024
 
 
 @triton.jit
@@ -63,8 +66,15 @@ def _combine_partitions(
     )
 
 
-def num_partitions(max_seq_len: int, partition_size: int = PARTITION_SIZE) -> int:
-    return max(1, triton.cdiv(max_seq_len, partition_size))
+def split_context(
+    max_seq_len: int, num_decodes: int, num_kv_heads: int, min_partition_size: int = MIN_PARTITION_SIZE
+) -> tuple[int, int]:
+    """(partitions, keys per partition) for decodes whose longest context is max_seq_len."""
+    by_length = triton.cdiv(max_seq_len, min_partition_size)
+    by_occupancy = triton.cdiv(TARGET_PROGRAMS, num_decodes * num_kv_heads)
+    wanted = max(1, min(by_length, by_occupancy))
+    size = triton.cdiv(triton.cdiv(max_seq_len, wanted), min_partition_size) * min_partition_size
+    return max(1, triton.cdiv(max_seq_len, size)), size
 
 
 def decode_attention(
@@ -79,13 +89,14 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float = 0.0,
-    partition_size: int = PARTITION_SIZE,
+    min_partition_size: int = MIN_PARTITION_SIZE,
 ) -> None:
     """Attend rows [0, num_decodes) of q (one token of sequence i each) into the same rows of out.
 
     q, out: [N, heads * head_dim]; kv_cache: [2, blocks, block_size, kv_heads, head_dim];
     block_tables: [B, max_blocks]; seq_lens: [B] (context length including this token);
-    query_start_loc: [B + 1]; max_seq_len: the longest decode context (sets the partitions);
+    query_start_loc: [B + 1]; max_seq_len: the longest decode context (sets the partitions,
+    each at least min_partition_size keys);
     softcap > 0: scores become softcap * tanh(score / softcap)."""
     if num_decodes == 0:
         return
@@ -94,7 +105,7 @@ def decode_attention(
     heads = q.shape[1] // head_dim
     group = heads // num_kv_heads
     shape = decode_shape(head_dim, group)
-    partitions = num_partitions(max_seq_len, partition_size)
+    partitions, partition_size = split_context(max_seq_len, num_decodes, num_kv_heads, min_partition_size)
     split = partitions > 1
     if split:
         part_acc = torch.empty(
