@@ -32,7 +32,8 @@ def _tanh(x):
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     if UPCAST:  # the interpreter's dot multiplies bf16 as raw integers: widen (products exact)
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
 
 

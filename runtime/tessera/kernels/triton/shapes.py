@@ -59,7 +59,7 @@ def _tile_n(head_dim_pad: int) -> int:
 
 def dot_precision(dtype: torch.dtype) -> str:
     # fp32 caches get fp32 products: the default (tf32) would round them to 10 mantissa bits.
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 or dot_upcast(dtype) else "tf32"
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:
