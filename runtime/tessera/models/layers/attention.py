@@ -16,6 +16,11 @@ new tokens' K/V at their slots, then attends:
 Everything that depends only on the batch layout (block ids, masks) is computed once per
 forward in ``AttentionPlan`` and shared by every layer.
 
+On CUDA the Triton kernels (``triton_attention.py``, ``tessera.kernels.triton``) replace all
+of the above the same way: they write the new K/V and attend straight from the blocks, decodes
+split over the context, every prefill in one launch. ``TESSERA_ATTENTION_BACKEND=triton``
+selects them on any device (on CPU under Triton's interpreter, for tests).
+
 On CPU the native kernel (``tessera.kernels``) replaces all of the above: it writes the new
 K/V and attends every sequence straight from its blocks with an online softmax, no gather,
 no mask, no padding. The ATen formulation stays for other devices and as the fallback.
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.kernels import native_ops
+from tessera.models.layers.triton_attention import TritonAttentionPlan, uses_triton
 
 
 @dataclass
@@ -119,12 +125,25 @@ class AttentionPlan:
     prefills: list[PrefillSpan]
     workspace: GatherWorkspace
     native: ModuleType | None = None  # the CPU kernels, when they run this forward
+    triton: TritonAttentionPlan | None = None  # the Triton kernels, when they run this forward
     _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(
         cls, md: AttentionMetadata, block_size: int, device: torch.device, workspace: GatherWorkspace
     ) -> AttentionPlan:
+        if uses_triton(device):
+            triton = TritonAttentionPlan.build(
+                md.slot_mapping,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                md.query_start_loc_list,
+                md.seq_lens_list,
+                md.num_decodes,
+                device,
+            )
+            return cls(md, triton.slot_mapping, block_size, md.num_decodes, [], [], workspace, triton=triton)
         native = native_ops(device)
         if native is not None:
             return cls(md, md.slot_mapping, block_size, md.num_decodes, [], [], workspace, native)
@@ -231,6 +250,12 @@ class Attention(nn.Module):
         """q: [N, heads*head_dim], k/v: [N, kv_heads*head_dim] -> [N, heads*head_dim].
 
         Rows may be strided (views into the fused QKV output)."""
+        if plan.triton is not None:
+            # getattr: the soft cap attribute arrives with Gemma 2's branch (None or 0: off).
+            softcap = getattr(self, "softcap", None) or 0.0
+            return plan.triton.attend(
+                q, k, v, kv_cache, self.num_heads, self.scale, self.sliding_window, softcap
+            )
         if plan.native is not None:
             md = plan.metadata
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
