@@ -2,9 +2,9 @@
 
 Importing transformers costs about 3.5 s of CPU, and every rank process paid it only to read
 this file: a group of 6 ranks sharing 2 cores started some 10 s later for it. The Llama family
-(Llama, Mistral, Ministral, Qwen2) reads a few fields; they are read here with the class defaults
-and the derived fields of transformers' own ``LlamaConfig``, ``MistralConfig``,
-``MinistralConfig`` and ``Qwen2Config``.
+(Llama, Mistral, Ministral, Qwen2) and Gemma (Gemma 2, Gemma 3 text) read a few fields; they are
+read here with the class defaults and the derived fields of transformers' own ``LlamaConfig``,
+``MistralConfig``, ``MinistralConfig``, ``Qwen2Config``, ``Gemma2Config`` and ``Gemma3TextConfig``.
 ``tests/models/test_hf_config.py`` checks every field the model reads against transformers.
 """
 
@@ -61,12 +61,49 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "layer_types": None,
     },
 }
+_GEMMA = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "rope_parameters": None,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "layer_types": None,
+}
+FAMILY_DEFAULTS["gemma2"] = {
+    **_GEMMA,
+    "vocab_size": 256000,
+    "max_position_embeddings": 8192,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "use_bidirectional_attention": None,
+}
+FAMILY_DEFAULTS["gemma3_text"] = {
+    **_GEMMA,
+    "vocab_size": 262208,
+    "max_position_embeddings": 131072,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+}
+# Gemma 3's layers slide except every sliding_window_pattern-th (transformers' default: 6).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+
 # A config.json without "model_type" still names its family by its architectures.
 ARCHITECTURE_FAMILIES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MinistralForCausalLM": "ministral",
     "Qwen2ForCausalLM": "qwen2",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 
 
@@ -82,6 +119,17 @@ def _derive(values: dict[str, Any]) -> None:
     if values.get("model_type") == "ministral" and values["layer_types"] is None:
         sliding = "sliding_attention" if values["sliding_window"] is not None else "full_attention"
         values["layer_types"] = [sliding] * values["num_hidden_layers"]
+    if values.get("model_type") in ("gemma2", "gemma3_text") and values["layer_types"] is None:
+        # Gemma 2 alternates sliding and full layers; Gemma 3 makes every pattern-th one full.
+        pattern = (
+            2
+            if values["model_type"] == "gemma2"
+            else values.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+        )
+        values["layer_types"] = [
+            "sliding_attention" if (layer + 1) % pattern else "full_attention"
+            for layer in range(values["num_hidden_layers"])
+        ]
     if values.get("model_type") == "qwen2":
         # Qwen2 slides only when asked, on the layers from max_window_layers on.
         window = values["sliding_window"] if values["use_sliding_window"] else None

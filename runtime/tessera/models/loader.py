@@ -18,6 +18,7 @@ import torch
 
 from tessera.models.checkpoint import iterate_lazily
 from tessera.models.decoder_stack import build_decoder_stack
+from tessera.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
 from tessera.models.layers.linear import gemm_backend, process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
@@ -31,6 +32,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "MinistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
