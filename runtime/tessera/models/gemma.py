@@ -16,14 +16,14 @@ What differs from Llama, as transformers' ``modeling_gemma2`` / ``modeling_gemma
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from tessera.models.checkpoint import CheckpointTensor, materialize
 from tessera.models.layers.attention import Attention, AttentionPlan
-from tessera.models.layers.linear import GeluTanhGatedLinear, RowParallelLinear
+from tessera.models.layers.linear import GeluTanhGatedLinear, RowParallelLinear, copy_checked
 from tessera.models.layers.norm import HeadRMSNorm, RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
 from tessera.models.llama import LlamaAttention, LlamaForCausalLM
@@ -63,7 +63,7 @@ def check_gemma_config(config: Any) -> None:
         raise ValueError(
             f"config.json sliding_window {window!r} is not supported with sliding_attention layers (a positive integer)"
         )
-    for field in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         _positive_or_none(config, field)
     if _positive_or_none(config, "query_pre_attn_scalar") is None:
         raise ValueError("config.json query_pre_attn_scalar is null: Gemma scales attention by it")
@@ -91,16 +91,15 @@ def gemma3_rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
     return params
 
 
-def fold_unit_offset(norm: RMSNorm) -> RMSNorm:
+Norm = TypeVar("Norm", bound=RMSNorm)
+
+
+def fold_unit_offset(norm: Norm) -> Norm:
     """Gemma's RMSNorm scales by ``1 + weight``: load ``1 + weight`` (added in fp32, rounded once),
     so ``norm`` computes it as it is."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor) -> None:
-        if tuple(param.shape) != tuple(loaded.shape):
-            raise ValueError(
-                f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}"
-            )
-        param.data.copy_(materialize(loaded).float() + 1.0)
+        copy_checked(param.data, materialize(loaded).float() + 1.0)
 
     norm.weight.weight_loader = load  # type: ignore[attr-defined]
     return norm
@@ -240,6 +239,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def layer_ropes(self, positions: torch.Tensor) -> list[torch.Tensor]:
         assert isinstance(self.rotary, nn.ModuleDict)
-        rows = {kind: table.lookup(positions) for kind, table in self.rotary.items()}
+        rows = {}
+        for kind, table in self.rotary.items():
+            assert isinstance(table, RotaryEmbedding)
+            rows[kind] = table.lookup(positions)
         start, end = self.layer_range
         return [rows[self.config.layer_types[layer]] for layer in range(start, end)]

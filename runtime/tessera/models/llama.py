@@ -258,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
     def layer_ropes(self, positions: torch.Tensor) -> list[torch.Tensor]:
         """Each local layer's cos/sin rows for ``positions`` (a family whose layers rotate by
         different tables overrides this with ``build_rotary``)."""
+        assert isinstance(self.rotary, RotaryEmbedding)
         return [self.rotary.lookup(positions)] * len(self._local_layers())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,8 @@ def select_gemm_backends(folder: Path, *, dtype: torch.dtype, tp_size: int = 1) 
     each layer's backend (``gemm_backend``); ValueError for a ``tp_size`` the model does not split over."""
     config: Any = copy.copy(load_hf_config(folder))  # config.json's fields are its attributes
     config.num_hidden_layers = 1  # every layer has the same shapes
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]  # (their attention kinds differ, not their weights)
     model = model_class_for(config)(config, dtype=dtype, placement=RankPlacement(tp_size=tp_size))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
