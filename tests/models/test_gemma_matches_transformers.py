@@ -126,7 +126,7 @@ def test_softcapping_and_windows_change_the_result(tmp_path: Path) -> None:
     base = run_scenario(
         load_model(tiny_gemma(tmp_path / "base", "gemma2"), dtype=torch.float32, device=CPU), 512
     )[1]
-    changed = {
+    changed: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": {"attn_logit_softcapping": None},
         "final_logit_softcapping": {"final_logit_softcapping": None},
         "sliding_window": {"sliding_window": 1024},
