@@ -198,7 +198,7 @@ def test_kernel_rejects_mismatched_inputs() -> None:
         ops.paged_attention(
             torch.empty_like(q), q, torch.randn(1, 64), torch.randn(1, 64),
             torch.zeros(2, 2, 16, 1, 64, dtype=torch.bfloat16), torch.tensor([0]),
-            torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1]), torch.tensor([0, 1]), 0.125, 0,
+            torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1]), torch.tensor([0, 1]), 0.125, 0, 0.0,
         )  # fmt: skip
 
 

@@ -221,3 +221,105 @@ def test_a_broken_config_file_is_named(tmp_path: Path, content: str | None, mess
         (tmp_path / "config.json").write_text(content)
     with pytest.raises((FileNotFoundError, ValueError), match=message):
         load_hf_config(tmp_path)
+
+
+GEMMA_FIELDS = (
+    *FIELDS,
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "sliding_window",
+    "layer_types",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "use_bidirectional_attention",
+)
+GEMMA_SMALL = {**SMALL, "num_key_value_heads": 2, "head_dim": 32}
+# Gemma config.json files: Gemma 2's alternating windows, Gemma 3's pattern and both RoPE spellings.
+GEMMA_CASES: dict[str, dict[str, Any]] = {
+    "gemma2, nothing but its type": {"model_type": "gemma2"},
+    "gemma2, small, own softcaps and scalar": {
+        "model_type": "gemma2",
+        **GEMMA_SMALL,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": None,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 8,
+        "rope_theta": 20000.0,
+    },
+    "gemma2, layer types given": {
+        "model_type": "gemma2",
+        **GEMMA_SMALL,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        "architectures": ["Gemma2ForCausalLM"],
+    },
+    "gemma3 text, nothing but its type": {"model_type": "gemma3_text"},
+    "gemma3 text, old RoPE spelling with a scaling": {
+        "model_type": "gemma3_text",
+        **GEMMA_SMALL,
+        "num_hidden_layers": 7,
+        "rope_theta": 500000.0,
+        "rope_local_base_freq": 5000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    },
+    "gemma3 text, sliding_window_pattern": {
+        "model_type": "gemma3_text",
+        **GEMMA_SMALL,
+        "sliding_window_pattern": 2,
+        "sliding_window": 16,
+    },
+    "gemma3 text, rope_parameters by layer type": {
+        "model_type": "gemma3_text",
+        **GEMMA_SMALL,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        "architectures": ["Gemma3ForCausalLM"],
+    },
+}
+
+
+def gemma_inverse_frequencies_of_transformers(config: Any) -> dict[str, torch.Tensor]:
+    """Each layer type's RoPE inverse frequencies as transformers' own rotary modules compute them."""
+    if config.model_type == "gemma2":
+        from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding
+
+        inv_freq = Gemma2RotaryEmbedding(config).inv_freq
+        return {"full_attention": inv_freq, "sliding_attention": inv_freq}
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    rotary = Gemma3RotaryEmbedding(config)
+    return {kind: getattr(rotary, f"{kind}_inv_freq") for kind in ("full_attention", "sliding_attention")}
+
+
+@pytest.mark.parametrize("fields", GEMMA_CASES.values(), ids=GEMMA_CASES.keys())
+def test_gemma_fields_windows_and_rope_tables_match_transformers(
+    tmp_path: Path, fields: dict[str, Any]
+) -> None:
+    from tessera.models.gemma import gemma3_rope_parameters, gemma_sliding_window
+
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    ours, theirs = load_hf_config(tmp_path), transformers_config(tmp_path)
+    for name in GEMMA_FIELDS:
+        assert getattr(ours, name, None) == getattr(theirs, name, None), name
+    assert [gemma_sliding_window(ours, layer) for layer in range(ours.num_hidden_layers)] == [
+        theirs.sliding_window if kind == "sliding_attention" else None for kind in theirs.layer_types
+    ]
+    if ours.model_type == "gemma2":
+        params = rope_parameters(ours)
+        ours_params = {"full_attention": params, "sliding_attention": params}
+    else:
+        ours_params = gemma3_rope_parameters(ours)
+    theirs_frequencies = gemma_inverse_frequencies_of_transformers(theirs)
+    for kind, params in ours_params.items():
+        frequencies = rope_inverse_frequencies(ours.head_dim, params, ours.max_position_embeddings)
+        # transformers folds a linear factor into the frequencies as we do.
+        torch.testing.assert_close(frequencies, theirs_frequencies[kind], rtol=0, atol=0)
+    assert model_class_for(ours) is model_class_for(theirs)
+
+
+def test_gemma_family_from_architectures_when_model_type_is_missing() -> None:
+    assert HFConfig({"architectures": ["Gemma2ForCausalLM"], **SMALL}).model_type == "gemma2"
+    config = HFConfig({"architectures": ["Gemma3ForCausalLM"], **SMALL})
+    assert config.model_type == "gemma3_text" and config.layer_types == ["sliding_attention"] * 4

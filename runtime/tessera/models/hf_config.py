@@ -62,6 +62,41 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": _QWEN,
     "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
 }
+_GEMMA = {
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "rope_parameters": None,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "layer_types": None,
+}
+FAMILY_DEFAULTS["gemma2"] = {
+    **_GEMMA,
+    "vocab_size": 256000,
+    "max_position_embeddings": 8192,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "use_bidirectional_attention": None,
+}
+FAMILY_DEFAULTS["gemma3_text"] = {
+    **_GEMMA,
+    "vocab_size": 262208,
+    "max_position_embeddings": 131072,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+}
+# Gemma 3's layers slide except every sliding_window_pattern-th (transformers' default: 6).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+
 # A config.json without "model_type" still names its family by its architectures.
 ARCHITECTURE_FAMILIES = {
     "LlamaForCausalLM": "llama",
@@ -69,6 +104,8 @@ ARCHITECTURE_FAMILIES = {
     "MinistralForCausalLM": "ministral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 
 
@@ -84,6 +121,17 @@ def _derive(values: dict[str, Any]) -> None:
     if values.get("model_type") == "ministral" and values["layer_types"] is None:
         sliding = "sliding_attention" if values["sliding_window"] is not None else "full_attention"
         values["layer_types"] = [sliding] * values["num_hidden_layers"]
+    if values.get("model_type") in ("gemma2", "gemma3_text") and values["layer_types"] is None:
+        # Gemma 2 alternates sliding and full layers; Gemma 3 makes every pattern-th one full.
+        pattern = (
+            2
+            if values["model_type"] == "gemma2"
+            else values.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+        )
+        values["layer_types"] = [
+            "sliding_attention" if (layer + 1) % pattern else "full_attention"
+            for layer in range(values["num_hidden_layers"])
+        ]
     if values.get("model_type") in ("qwen2", "qwen3"):
         # Qwen2 and Qwen3 slide only when asked, on the layers from max_window_layers on.
         window = values["sliding_window"] if values["use_sliding_window"] else None

@@ -252,12 +252,31 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.tie_to(self.model.embed_tokens)
         first_attention = self._local_layers()[0].self_attn
         self._kv_heads, self._head_dim = first_attention.num_kv_heads, first_attention.head_dim
-        self.max_context = context_length(config)
-        self.rotary = RotaryEmbedding(self._head_dim, self.max_context, rope_parameters(config), dtype)
+        self.max_context = self.context_length(config)
+        self.rotary = self.build_rotary(config, dtype)
         self._workspace = GatherWorkspace()
         # The local layers as one native call (models/decoder_stack.py), set once the weights are
         # packed; None runs them one module at a time.
         self.decoder_stack: Any = None
+
+    def context_length(self, config: Any) -> int:
+        """The longest sequence this model runs (``max_context``)."""
+        return context_length(config)
+
+    def build_rotary(self, config: Any, dtype: torch.dtype) -> nn.Module:
+        """The RoPE table(s) ``layer_ropes`` looks positions up in (one, for this family)."""
+        return RotaryEmbedding(self._head_dim, self.max_context, rope_parameters(config), dtype)
+
+    def layer_ropes(self, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Each local layer's cos/sin rows for ``positions`` (a family whose layers rotate by
+        different tables overrides this with ``build_rotary``)."""
+        assert isinstance(self.rotary, RotaryEmbedding)
+        return [self.rotary.lookup(positions)] * len(self._local_layers())
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input hidden states (a family that scales its embedding overrides this)."""
+        assert self.model.embed_tokens is not None
+        return self.model.embed_tokens(input_ids)
 
     def _local_layers(self) -> list[Any]:
         start, end = self.layer_range
@@ -280,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
         if self.is_first_stage:
             if input_ids is None or self.model.embed_tokens is None:
                 raise ValueError("the first pipeline stage needs input_ids")
-            hidden_states = self.model.embed_tokens(input_ids)
+            hidden_states = self.embed(input_ids)
             residual: torch.Tensor | None = None
         else:
             if intermediate_tensors is None:
@@ -292,13 +311,13 @@ class LlamaForCausalLM(nn.Module):
         plan = AttentionPlan.build(
             attn_metadata, kv_caches[0].shape[2], hidden_states.device, self._workspace
         )
-        rope = self.rotary.lookup(positions)
+        ropes = self.layer_ropes(positions)
         if self.decoder_stack is not None and plan.native is not None:
             md = plan.metadata
             hidden_states, residual = self.decoder_stack.forward(
                 hidden_states,
                 residual,
-                rope,
+                ropes[0],  # the stack runs Llama layers only: one table
                 kv_caches,
                 md.slot_mapping,
                 md.block_tables,
@@ -306,7 +325,7 @@ class LlamaForCausalLM(nn.Module):
                 md.query_start_loc,
             )
         else:
-            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            for layer, kv_cache, rope in zip(layers, kv_caches, ropes, strict=True):
                 hidden_states, residual = layer(hidden_states, residual, rope, kv_cache, plan)
         if not self.is_last_stage:
             assert residual is not None

@@ -18,6 +18,7 @@ import torch
 
 from tessera.models.checkpoint import iterate_lazily
 from tessera.models.decoder_stack import build_decoder_stack
+from tessera.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
 from tessera.models.layers.linear import gemm_backend, process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
@@ -33,6 +34,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MinistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
@@ -129,6 +132,8 @@ def select_gemm_backends(folder: Path, *, dtype: torch.dtype, tp_size: int = 1) 
     each layer's backend (``gemm_backend``); ValueError for a ``tp_size`` the model does not split over."""
     config: Any = copy.copy(load_hf_config(folder))  # config.json's fields are its attributes
     config.num_hidden_layers = 1  # every layer has the same shapes
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]  # (their attention kinds differ, not their weights)
     model = model_class_for(config)(config, dtype=dtype, placement=RankPlacement(tp_size=tp_size))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():

@@ -27,7 +27,7 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
                           const torch::Tensor& v, torch::Tensor& kv_cache,
                           const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                           const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc,
-                          double scale, int64_t sliding_window) {
+                          double scale, int64_t sliding_window, double softcap) {
   const int64_t num_tokens = q.size(0);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t num_kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
@@ -49,7 +49,8 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
                           query_start_loc.data_ptr<int64_t>(),
                           block_tables.stride(0),
                           sliding_window,
-                          static_cast<float>(scale)};
+                          static_cast<float>(scale),
+                          static_cast<float>(softcap)};
 
   // 1. The new tokens' K/V go to their slots first: a prefill attends to its own new keys.
   const T* k_data = k.data_ptr<T>();
@@ -69,9 +70,11 @@ void paged_attention_impl(torch::Tensor& out, const torch::Tensor& q, const torc
   bool amx = false;
   int64_t tile = query_tile(num_heads, batch.group);
 #if defined(TESSERA_AMX)
-  // (amx_attention.h's softmax takes the raw scores' max for the scaled ones': scale > 0.)
+  // (amx_attention.h's softmax takes the raw scores' max for the scaled ones': scale > 0. It
+  // does not soft-cap: capped scores take the vector path.)
   if constexpr (IsBf16<T>::value)
-    amx = (head_dim == 64 || head_dim == 128) && batch.scale > 0.0f && amx::request_tile_state();
+    amx = (head_dim == 64 || head_dim == 128) && batch.scale > 0.0f && batch.softcap <= 0.0f &&
+          amx::request_tile_state();
   if (amx) tile = amx_attention::kQueryTokens;
 #endif
   const std::vector<WorkItem> items =
@@ -136,10 +139,11 @@ void check_int64(const torch::Tensor& t, const char* name) {
 // new tokens' k/v [N, KVH*D] into kv_cache [2, blocks, block_size, KVH, D] at slot_mapping.
 // Sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]) and its context is
 // seq_lens[s] tokens long, the queries being the last ones (causal); sliding_window <= 0: none.
+// softcap > 0 soft-caps the scaled scores, softcap * tanh(score / softcap) (Gemma 2); <= 0: none.
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                      torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                      torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale,
-                     int64_t sliding_window) {
+                     int64_t sliding_window, double softcap) {
   check_rows(q, "q");
   check_rows(k, "k");
   check_rows(v, "v");
@@ -158,7 +162,7 @@ void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch:
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc must have one entry per sequence + 1");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     paged_attention_impl<scalar_t>(out, q, k, v, kv_cache, slot_mapping, block_tables, seq_lens,
-                                   query_start_loc, scale, sliding_window);
+                                   query_start_loc, scale, sliding_window, softcap);
   });
 }
 

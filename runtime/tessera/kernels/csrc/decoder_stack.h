@@ -98,7 +98,7 @@ class DecoderStack {
       torch::Tensor attended = torch::empty(q.sizes(), q.options());
       paged_attention(attended, q, qkv.narrow(1, q_size, kv_size), qkv.narrow(1, q_size + kv_size, kv_size),
                       kv_caches[i], slot_mapping, block_tables, seq_lens, query_start_loc, layer.scale,
-                      layer.sliding_window);
+                      layer.sliding_window, /*softcap=*/0.0);  // the Llama layer caps no scores
       hidden = layer.o(attended);
       normed = add_and_norm(hidden, residual, layer.post_norm, layer.post_eps);
       hidden = layer.down(layer.gate_up(normed));

@@ -13,7 +13,7 @@ namespace tessera {
 // attention_op.cpp
 void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
                      torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor seq_lens,
-                     torch::Tensor query_start_loc, double scale, int64_t sliding_window);
+                     torch::Tensor query_start_loc, double scale, int64_t sliding_window, double softcap);
 
 // elementwise_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);

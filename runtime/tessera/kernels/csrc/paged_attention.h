@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -55,6 +56,15 @@ struct KvPrefetcher {
   }
 };
 
+// Gemma 2's soft-capping of attention scores, cap * tanh(score / cap), applied to the scaled
+// scores before the softmax (cap > 0; callers skip it at 0, no capping).
+inline float softcap_score(float score, float cap) { return cap * std::tanh(score / cap); }
+
+inline fvec softcap_scores(fvec scores, float cap) {
+  for (int64_t i = 0; i < kLanes; ++i) scores[i] = softcap_score(scores[i], cap);
+  return scores;
+}
+
 // Vectors of the head dim (a power of two dividing kV) whose accumulators for R rows fit in
 // three quarters of the vector registers.
 constexpr int64_t pv_slice_vectors(int R, int64_t kV) {
@@ -72,7 +82,7 @@ constexpr int64_t pv_slice_vectors(int R, int64_t kV) {
 template <typename T, int64_t kD, int R>
 inline void attend_rows_chunk(const float* query, const T* keys, const T* values, int64_t stride,
                               const int64_t* idx, const int64_t* j0, const int64_t* j1, float* row_max,
-                              float* row_sum, float* acc, KvPrefetcher& shared_prefetcher) {
+                              float* row_sum, float* acc, float softcap, KvPrefetcher& shared_prefetcher) {
   static_assert(kD % kLanes == 0, "head_dim must be a multiple of kLanes");
   constexpr int64_t kV = kD / kLanes;
   KvPrefetcher prefetcher = shared_prefetcher;  // in registers here, not stored back every step
@@ -112,7 +122,9 @@ inline void attend_rows_chunk(const float* query, const T* keys, const T* values
   float correction[R];
   for (int r = 0; r < R; ++r) {
     const ivec valid = (lane >= static_cast<int32_t>(j0[r])) & (lane < static_cast<int32_t>(j1[r]));
-    const fvec scores = valid ? transpose_sum(partial[r]) : broadcastv(kNegInf);
+    fvec raw = transpose_sum(partial[r]);
+    if (softcap > 0.0f) raw = softcap_scores(raw, softcap);
+    const fvec scores = valid ? raw : broadcastv(kNegInf);
     float& m = row_max[idx[r]];
     const float new_max = std::max(m, hmax(scores));
     p[r] = valid ? expv(scores - new_max) : fvec{};
@@ -147,7 +159,7 @@ inline void attend_rows_chunk(const float* query, const T* keys, const T* values
 template <typename T, int64_t kD>
 inline void attend_rows_block(int count, const float* query, const T* keys, const T* values, int64_t stride,
                               int64_t block_keys, const int64_t* idx, const int64_t* j0, const int64_t* j1,
-                              float* row_max, float* row_sum, float* acc, KvPrefetcher& prefetcher) {
+                              float* row_max, float* row_sum, float* acc, float softcap, KvPrefetcher& prefetcher) {
   for (int64_t c0 = 0; c0 < block_keys; c0 += kLanes) {
     int64_t chunk_j0[4], chunk_j1[4];
     bool any = false;
@@ -161,7 +173,7 @@ inline void attend_rows_block(int count, const float* query, const T* keys, cons
     const T* v = values + c0 * stride;
 #define TESSERA_ROWS(R)                                                                                  \
   case R:                                                                                                \
-    attend_rows_chunk<T, kD, R>(query, k, v, stride, idx, chunk_j0, chunk_j1, row_max, row_sum, acc, prefetcher); \
+    attend_rows_chunk<T, kD, R>(query, k, v, stride, idx, chunk_j0, chunk_j1, row_max, row_sum, acc, softcap, prefetcher); \
     break;
     switch (count) {  // 1 to 4
       TESSERA_ROWS(1)
@@ -245,6 +257,7 @@ struct AttentionBatch {
   const int64_t *tables, *lens, *starts;
   int64_t table_stride, sliding_window;
   float scale;
+  float softcap;  // attention scores soft-capped at this (softcap_score); <= 0: none
 };
 
 // Per-thread buffers of an item: scaled queries, output accumulators, softmax state; the
@@ -375,6 +388,8 @@ void attend_tile_lanes(const AttentionBatch<T>& a, const WorkItem& item, TileScr
         const fvec qd = loadv(q + d * kLanes);
         for (int64_t j = 0; j < kLanes; ++j) scores[j] += qd * key_block[j * kD + d];
       }
+      if (a.softcap > 0.0f)
+        for (int64_t j = lo; j < hi; ++j) scores[j] = softcap_scores(scores[j], a.softcap);
       const fvec neg_inf = broadcastv(kNegInf);
       fvec block_max = neg_inf;
       for (int64_t j = 0; j < kLanes; ++j) {
@@ -512,7 +527,8 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
         if (pending == 0) return;
         const T* keys = block_keys_all + kv_head_of(pending_idx[0]) * D;
         attend_rows_block<T, kD>(static_cast<int>(pending), query, keys, keys + a.kv_plane, a.token_stride,
-                                 block_keys, pending_idx, pending_j0, pending_j1, row_max, row_sum, acc, prefetcher);
+                                 block_keys, pending_idx, pending_j0, pending_j1, row_max, row_sum, acc, a.softcap,
+                                 prefetcher);
         pending = 0;
       }
     };
@@ -538,6 +554,8 @@ void attend_tile(const AttentionBatch<T>& a, const WorkItem& item, TileScratch& 
       }
       const float* qr = query + r * D;
       block_scores<T>(qr, keys, a.token_stride, j0, j1, D, scores);
+      if (a.softcap > 0.0f)
+        for (int64_t j = j0; j < j1; ++j) scores[j] = softcap_score(scores[j], a.softcap);
       float block_max = kNegInf;
       for (int64_t j = j0; j < j1; ++j) block_max = std::max(block_max, scores[j]);
       const float new_max = std::max(row_max[r], block_max);

@@ -1,4 +1,5 @@
-"""SwiGLU: silu(gate) * up on the fused gate_up projection output."""
+"""Gated activations on the fused gate_up projection output: SwiGLU, silu(gate) * up, and GeGLU
+(Gemma), gelu_tanh(gate) * up."""
 
 from __future__ import annotations
 
@@ -15,3 +16,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(x)
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``[..., 2I]`` (gate | up) -> ``[..., I]`` with GELU's tanh approximation (transformers'
+    ``gelu_pytorch_tanh``); no native kernel: ATen's."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -230,14 +230,19 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float | None = None,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"attention softcap must be positive, not {softcap}")
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        # Scores soft-capped before the softmax, softcap * tanh(score / softcap) (Gemma 2).
+        self.softcap = softcap
 
     def forward(
         self,
@@ -251,10 +256,8 @@ class Attention(nn.Module):
 
         Rows may be strided (views into the fused QKV output)."""
         if plan.triton is not None:
-            # getattr: the soft cap attribute arrives with Gemma 2's branch (None or 0: off).
-            softcap = getattr(self, "softcap", None) or 0.0
             return plan.triton.attend(
-                q, k, v, kv_cache, self.num_heads, self.scale, self.sliding_window, softcap
+                q, k, v, kv_cache, self.num_heads, self.scale, self.sliding_window, self.softcap or 0.0
             )
         if plan.native is not None:
             md = plan.metadata
@@ -271,6 +274,7 @@ class Attention(nn.Module):
                 md.query_start_loc,
                 self.scale,
                 self.sliding_window or 0,
+                self.softcap or 0.0,
             )
             return out
         n = q.shape[0]
@@ -303,11 +307,15 @@ class Attention(nn.Module):
         keys_values = gathered.view(2, d, length, kvh, hd).transpose(2, 3)  # [2, D, kvh, L, hd]
         # The `group` query heads of one KV head act as that head's query rows: same keys, same mask.
         grouped_q = q.view(d, kvh, self.group, hd)
+        mask = plan.decode_mask(index, group, self.sliding_window)
+        if self.softcap is not None:
+            attended = self._softcapped(grouped_q, keys_values[0], keys_values[1], mask)
+            return attended.reshape(d, self.num_heads, hd)
         attended = F.scaled_dot_product_attention(
             grouped_q,
             keys_values[0],
             keys_values[1],
-            attn_mask=plan.decode_mask(index, group, self.sliding_window),
+            attn_mask=mask,
             scale=self.scale,
         )
         return attended.reshape(d, self.num_heads, hd)
@@ -333,6 +341,10 @@ class Attention(nn.Module):
             context = blocks.view(2, -1, self.num_kv_heads, self.head_dim)[:, : span.context_len]
             keys, values = context[0].transpose(0, 1).unsqueeze(0), context[1].transpose(0, 1).unsqueeze(0)
         mask = plan.prefill_mask(index, span, self.sliding_window)
+        if self.softcap is not None:
+            if self.group > 1:
+                keys, values = keys.repeat_interleave(self.group, 1), values.repeat_interleave(self.group, 1)
+            return self._softcapped(query, keys, values, mask)[0].transpose(0, 1)
         gqa = self.group > 1
         if gqa and mask is not None and query.is_cuda:
             # With a mask only the memory-efficient kernel is fused, and it takes no GQA: the KV
@@ -349,3 +361,18 @@ class Attention(nn.Module):
             enable_gqa=gqa,
         )
         return attended[0].transpose(0, 1)
+
+    def _softcapped(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention with soft-capped scores, written out (SDPA has no soft-capping): [.., q, hd]
+        queries against [.., L, hd] keys and values of as many heads; ``mask`` [.., q, L] bool,
+        None for causal with the queries last."""
+        assert self.softcap is not None
+        scores = torch.matmul(query, keys.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            q_len, k_len = scores.shape[-2:]
+            mask = torch.ones(q_len, k_len, dtype=torch.bool, device=scores.device).tril(k_len - q_len)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), values)

@@ -31,7 +31,7 @@ from tessera.distributed.communication import (
 from tessera.kernels.gemm import AtenWeight, GatedPanelWeight, PackedWeight
 from tessera.kernels.gemm_selection import LAYER_ROWS, select_backend, select_swiglu_product
 from tessera.models.checkpoint import CheckpointTensor, materialize
-from tessera.models.layers.activation import silu_and_mul
+from tessera.models.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from tessera.topology import SINGLE_RANK, RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -263,6 +263,15 @@ class SiluGatedLinear(MergedColumnParallelLinear):
         if self.gated_weight is not None:
             return self.gated_weight.silu_and_mul(x)
         return silu_and_mul(self.matmul(x, self.bias))
+
+
+class GeluTanhGatedLinear(MergedColumnParallelLinear):
+    """GeGLU's gate and up projections (``output_sizes``: [intermediate, intermediate]) with the
+    activation applied: ``gelu_tanh(x @ gate.T) * (x @ up.T)`` (Gemma). No GEMM kernel has it in
+    its epilogue: the plain (packed) product, then the activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(super().forward(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
