@@ -126,31 +126,35 @@ def rope_inverse_frequencies(
     return _FREQUENCIES[params["rope_type"]](params, head_dim, max_position_embeddings)
 
 
+def _mscale(scale: float, weight: float = 1) -> float:
+    return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+
+def _yarn_attention_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
+    factor = _yarn_factor(params, max_position_embeddings)
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return float(_mscale(factor, params["mscale"]) / _mscale(factor, params["mscale_all_dim"]))
+    return _mscale(factor)
+
+
+def _longrope_attention_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def rope_attention_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
     """What transformers multiplies cos and sin by (yarn's and longrope's attention scaling)."""
-    attention_factor = params.get("attention_factor")
     if params["rope_type"] == "yarn":
-        factor = _yarn_factor(params, max_position_embeddings)
-
-        def mscale(scale: float, weight: float = 1) -> float:
-            return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
-        if attention_factor is None:
-            if params.get("mscale") and params.get("mscale_all_dim"):
-                attention_factor = float(
-                    mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
-                )
-            else:
-                attention_factor = mscale(factor)
-        return attention_factor
+        return _yarn_attention_factor(params, max_position_embeddings)
     if params["rope_type"] == "longrope":
-        original = params["original_max_position_embeddings"]
-        factor = params.get("factor")
-        if factor is None:
-            factor = max_position_embeddings / original
-        if attention_factor is None:
-            attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        return attention_factor
+        return _longrope_attention_factor(params, max_position_embeddings)
     return 1.0
 
 
