@@ -4,16 +4,18 @@ and what it derives from them (RoPE frequencies, context length, sliding windows
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tessera.models.hf_config import HFConfig, load_hf_config
-from tessera.models.layers.rotary import rope_inverse_frequencies
+from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
+from tessera.models.layers.rotary import rope_attention_factor, rope_inverse_frequencies
 from tessera.models.llama import context_length, rope_parameters, sliding_window_of_layer
-from tessera.models.loader import UnsupportedModelError, model_class_for
+from tessera.models.loader import MODEL_CLASSES, UnsupportedModelError, model_class_for
+from tessera.models.support import check_supported
 
 FIELDS = (
     "model_type",
@@ -41,6 +43,9 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+# Phi-3's longrope factors, one per frequency of a 16-wide head.
+SHORT_FACTOR = [1.0 + 0.05 * i for i in range(8)]
+LONG_FACTOR = [1.5 + 0.4 * i for i in range(8)]
 # config.json files as people write them: most leave fields out, older ones spell RoPE the old way.
 CASES: dict[str, dict[str, Any]] = {
     "llama, nothing but its type": {"model_type": "llama"},
@@ -114,6 +119,64 @@ CASES: dict[str, dict[str, Any]] = {
         "sliding_window": 32,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
     },
+    "llama 3.1 RoPE, a top-level original_max_position_embeddings (it wins)": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_scaling": LLAMA3_ROPE,
+        "original_max_position_embeddings": 2048,
+    },
+    "llama, yarn with every optional field": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "attention_factor": 0.8,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+            "truncate": False,
+        },
+    },
+    "llama, yarn with mscale and mscale_all_dim (DeepSeek's spelling)": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+        "max_position_embeddings": 163840,
+    },
+    "llama, yarn with mscale alone (ignored) and factor null (max / original)": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": None,
+            "original_max_position_embeddings": 512,
+            "mscale": 2.0,
+        },
+        "max_position_embeddings": 2048,
+    },
+    "qwen2, yarn as Qwen2.5's model card adds it": {
+        "model_type": "qwen2",
+        **SMALL,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    },
+    "llama, rope_parameters and a yarn rope_scaling added (it wins)": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_parameters": {"rope_theta": 1e4},
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    },
+    "llama, dynamic NTK": {
+        "model_type": "llama",
+        **SMALL,
+        "rope_scaling": {"type": "dynamic", "factor": 2.0},
+    },
     "qwen3, nothing but its type": {"model_type": "qwen3"},
     "qwen3, window on the upper layers, head_dim": {
         "model_type": "qwen3",
@@ -123,6 +186,28 @@ CASES: dict[str, dict[str, Any]] = {
         "sliding_window": 32,
         "max_window_layers": 2,
         "architectures": ["Qwen3ForCausalLM"],
+    },
+    "phi3, nothing but its type": {"model_type": "phi3"},
+    "phi3, a window on every layer": {"model_type": "phi3", **SMALL, "sliding_window": 16},
+    "phi3 128k, longrope (Phi-3's top-level original length)": {
+        "model_type": "phi3",
+        **SMALL,
+        "rope_scaling": {"type": "longrope", "short_factor": SHORT_FACTOR, "long_factor": LONG_FACTOR},
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "architectures": ["Phi3ForCausalLM"],
+    },
+    "phi3, longrope read from 'yarn', factor and attention_factor given": {
+        "model_type": "phi3",
+        **SMALL,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "short_factor": SHORT_FACTOR,
+            "long_factor": LONG_FACTOR,
+            "factor": 8.0,
+            "attention_factor": 1.2,
+        },
+        "max_position_embeddings": 32768,
     },
 }
 
@@ -135,30 +220,48 @@ def transformers_config(folder: Path) -> Any:
 
 def windows_transformers_runs(config: Any) -> list[int | None]:
     """Each layer's attention window as transformers' model code applies it: LlamaAttention has
-    none, MistralAttention passes config.sliding_window on every layer, Qwen2's and Ministral's
+    none, MistralAttention and Phi3Model's mask slide on every layer, Qwen2's and Ministral's
     attention only on the layers config.layer_types marks."""
     layers = range(config.num_hidden_layers)
     if config.model_type == "llama":
         return [None for _ in layers]
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "phi3"):
         return [config.sliding_window for _ in layers]
     return [config.sliding_window if config.layer_types[i] == "sliding_attention" else None for i in layers]
 
 
-def derived(config: Any, windows: list[int | None]) -> dict[str, Any]:
+def transformers_rope(config: Any) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention factor as transformers' rotary embedding starts with them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope_type = config.rope_parameters["rope_type"]
+    if rope_type == "default":  # each family's own copy of the same function
+        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+def derived(config: Any, windows: list[int | None], theirs: bool) -> dict[str, Any]:
     """What the model computes from a config, whichever reader made it (its windows: ours, or
-    those transformers runs)."""
+    those transformers runs; its RoPE frequencies: ours, or transformers' own)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     params = rope_parameters(config)
+    if theirs:
+        inverse_frequencies, attention_factor = transformers_rope(config)
+    else:
+        inverse_frequencies = rope_inverse_frequencies(head_dim, params, config.max_position_embeddings)
+        attention_factor = rope_attention_factor(params, config.max_position_embeddings)
     return {
         "rope_type": params["rope_type"],
         "rope_theta": params["rope_theta"],
+        "original_max_position_embeddings": params.get("original_max_position_embeddings"),
         "context_length": context_length(config),
         "windows": windows,
         "head_dim": head_dim,
         "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-        "inverse_frequencies": rope_inverse_frequencies(head_dim, params, context_length(config)),
+        "inverse_frequencies": inverse_frequencies,
+        "attention_factor": attention_factor,
     }
 
 
@@ -168,10 +271,12 @@ def test_fields_and_derivations_match_transformers(tmp_path: Path, fields: dict[
     ours, theirs = load_hf_config(tmp_path), transformers_config(tmp_path)
     for name in FIELDS:
         assert getattr(ours, name, None) == getattr(theirs, name, None), name
+    if "quantization_config" not in fields:
+        check_supported(ours, tmp_path)
     ours_windows = [sliding_window_of_layer(ours, layer) for layer in range(ours.num_hidden_layers)]
     ours_derived, theirs_derived = (
-        derived(ours, ours_windows),
-        derived(theirs, windows_transformers_runs(theirs)),
+        derived(ours, ours_windows, theirs=False),
+        derived(theirs, windows_transformers_runs(theirs), theirs=True),
     )
     torch.testing.assert_close(
         ours_derived.pop("inverse_frequencies"), theirs_derived.pop("inverse_frequencies"), rtol=0, atol=0
@@ -180,14 +285,70 @@ def test_fields_and_derivations_match_transformers(tmp_path: Path, fields: dict[
     assert model_class_for(ours) is model_class_for(theirs)
 
 
-def test_a_scaling_tessera_does_not_run_is_refused_however_the_config_spells_it(tmp_path: Path) -> None:
-    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-    for spelling in ({"rope_scaling": yarn}, {"rope_parameters": {"rope_theta": 1e4}, "rope_scaling": yarn}):
-        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMALL, **spelling}))
-        config = load_hf_config(tmp_path)
-        assert rope_parameters(config)["rope_type"] == "yarn"
-        with pytest.raises(NotImplementedError, match="'yarn' is not supported"):
-            rope_inverse_frequencies(16, rope_parameters(config), context_length(config))
+def test_context_length_of_each_scaling() -> None:
+    def length(**fields: Any) -> int:
+        return context_length(
+            HFConfig({"model_type": "llama", **SMALL, "max_position_embeddings": 4096, **fields})
+        )
+
+    assert length() == 4096
+    assert length(rope_scaling={"type": "linear", "factor": 2.0}) == 8192
+    assert length(rope_scaling=LLAMA3_ROPE) == 4096
+    assert (
+        length(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})
+        == 16384
+    )
+    assert length(rope_scaling={"type": "dynamic", "factor": 4.0}) == 4096  # capped: exact only there
+    longrope = {"type": "longrope", "short_factor": SHORT_FACTOR, "long_factor": LONG_FACTOR}
+    assert length(rope_scaling=longrope, original_max_position_embeddings=1024) == 4096
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"rope_scaling": {"type": "foo", "factor": 2.0}},
+            "config.json rope_scaling.rope_type 'foo' is not supported "
+            "(default, linear, llama3, yarn, dynamic, longrope are)",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "foo", "rope_theta": 1e4}},
+            "config.json rope_parameters.rope_type 'foo' is not supported",
+        ),
+        ({"partial_rotary_factor": 0.75}, "config.json partial_rotary_factor 0.75 is not supported"),
+        ({"rope_scaling": {"type": "linear"}}, "config.json rope_scaling.factor is missing"),
+        (
+            {"rope_scaling": {"type": "yarn", "factor": 4.0, "mrope_section": [2, 3, 3]}},
+            "config.json rope_scaling.mrope_section is not supported with rope_type 'yarn'",
+        ),
+        (
+            {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": LONG_FACTOR}},
+            "config.json rope_scaling.short_factor has 1 entries, not head_dim / 2 = 8",
+        ),
+    ],
+)
+def test_rope_settings_the_engine_does_not_compute_are_refused_by_field(
+    fields: dict[str, Any], message: str
+) -> None:
+    config = HFConfig({"model_type": "llama", **SMALL, **fields})
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        check_supported(config, Path("model"))
+
+
+def test_phi4_mini_partial_rotary_is_refused(tmp_path: Path) -> None:
+    """Phi-4-mini rotates 3/4 of each head; the engine rotates whole heads, so it refuses."""
+    fields = {
+        "model_type": "phi3",
+        **SMALL,
+        "partial_rotary_factor": 0.75,
+        "architectures": ["Phi3ForCausalLM"],
+    }
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        check_supported(HFConfig(fields), tmp_path)
+
+
+def test_every_architecture_with_defaults_has_a_model_class() -> None:
+    assert set(ARCHITECTURE_FAMILIES) == set(MODEL_CLASSES)
 
 
 def test_saved_checkpoints_read_as_transformers_reads_them(tiny_qwen2_dir: Path, smollm2_dir: Path) -> None:
@@ -297,7 +458,8 @@ def gemma_inverse_frequencies_of_transformers(config: Any) -> dict[str, torch.Te
 def test_gemma_fields_windows_and_rope_tables_match_transformers(
     tmp_path: Path, fields: dict[str, Any]
 ) -> None:
-    from tessera.models.gemma import gemma3_rope_parameters, gemma_sliding_window
+    from tessera.models.gemma import gemma_sliding_window
+    from tessera.models.rope_config import gemma3_rope_parameters
 
     (tmp_path / "config.json").write_text(json.dumps(fields))
     ours, theirs = load_hf_config(tmp_path), transformers_config(tmp_path)

@@ -1,5 +1,5 @@
-"""Tessera's Llama-family forward (Llama, Qwen2, Mistral, Qwen3) over the paged cache equals
-transformers' forward."""
+"""Tessera's Llama-family forward (Llama, Qwen2, Mistral, Qwen3, Phi-3) over the paged cache
+equals transformers' forward, with every RoPE scaling."""
 
 from __future__ import annotations
 
@@ -26,6 +26,25 @@ LLAMA3_ROPE = {
     # Small, so the tiny head_dim has low-, medium- and high-frequency bands.
     "original_max_position_embeddings": 64,
 }
+# The scenario's positions stay below 64 (run_many_decodes reaches 42): original lengths and
+# max_position_embeddings are small, so each scaling changes the frequencies there.
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 8.0,
+    "mscale": 0.9,
+    "mscale_all_dim": 0.5,
+}
+# Dynamic NTK equals the unscaled frequencies within max_position_embeddings, where the context stops.
+DYNAMIC_ROPE = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.3 * i for i in range(8)],
+    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+}
 VARIANTS: dict[str, dict[str, Any]] = {
     "llama": {"arch": "llama"},
     "qwen2-qkv-bias-tied": {"arch": "qwen2"},
@@ -34,6 +53,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "llama3-rope-scaling-tied": {"arch": "llama", "tie": True, "rope_parameters": LLAMA3_ROPE},
     # Per-head query/key norms; a head_dim other than hidden / heads.
     "qwen3-qk-norm": {"arch": "qwen3", "overrides": {"head_dim": 32}},
+    "qwen3-yarn": {"arch": "qwen3", "overrides": {"head_dim": 32}, "rope_parameters": YARN_ROPE},
+    "llama-dynamic-ntk": {"arch": "llama", "max_position": 64, "rope_parameters": DYNAMIC_ROPE},
+    # Fused qkv_proj and gate_up_proj tensors; every layer slides (an 8-token window).
+    "phi3-fused-sliding-window": {"arch": "phi3", "overrides": {"sliding_window": 8}},
+    # Positions stay below original_max_position_embeddings: short_factor, and the attention factor.
+    "phi3-longrope": {
+        "arch": "phi3",
+        "max_position": 128,
+        "rope_parameters": LONGROPE,
+        "overrides": {"original_max_position_embeddings": 64},
+    },
 }
 CPU = torch.device("cpu")
 

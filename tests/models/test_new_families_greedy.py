@@ -11,6 +11,7 @@ from tests.models.family_greedy import check_family_greedy
 
 FAMILIES = {
     "qwen3": {"arch": "qwen3", "overrides": {"head_dim": 32}},
+    "phi3": {"arch": "phi3"},
 }
 
 

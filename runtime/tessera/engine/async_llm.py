@@ -37,6 +37,7 @@ from tessera.engine.processor import InputProcessor, load_tokenizer
 from tessera.engine.token_bytes import TokenBytes
 from tessera.metrics import EngineMetrics
 from tessera.models.registry import resolve_model
+from tessera.models.support import check_model_folder
 from tessera.outputs import RequestOutput
 from tessera.sampling_params import RequestRefused, SamplingParams
 from tessera.wire.messages import FINISH_ABORT, EngineCoreOutputs, SchedulerStats
@@ -90,6 +91,8 @@ class AsyncLLM:
         self.config = config
         self.max_stream_backlog = max_stream_backlog
         self.model_dir = resolve_model(config.model)  # converts once here, so the core finds it cached
+        # A model the engine cannot run fails here, naming the field, before any process starts.
+        check_model_folder(self.model_dir)
         self.served_model_name = served_model_name or config.model
         # Load the tokenizer (slow imports) while the engine core process loads the model.
         with ThreadPoolExecutor(1) as pool:

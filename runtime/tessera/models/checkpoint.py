@@ -29,24 +29,56 @@ BYTES_READ = ReadCounter()
 
 
 class CheckpointTensor:
-    """One tensor of a safetensors file, not yet read."""
+    """One tensor of a safetensors file (or a block of it along dim 0), not yet read."""
 
-    def __init__(self, lazy_slice: Any, name: str) -> None:
+    def __init__(self, lazy_slice: Any, name: str, rows: tuple[int, int] | None = None) -> None:
         self._slice = lazy_slice
         self.name = name
-        self.shape = torch.Size(lazy_slice.get_shape())
+        shape = list(lazy_slice.get_shape())
+        # [start, start + length) of the file's dim 0 this tensor stands for: a fused tensor's part.
+        self._rows = rows or (0, shape[0] if shape else 0)
+        if shape:
+            shape[0] = self._rows[1]
+        self.shape = torch.Size(shape)
+
+    def rows(self, start: int, length: int) -> CheckpointTensor:
+        """Rows [start, start + length), still unread (a part of a fused checkpoint tensor)."""
+        if start < 0 or length < 0 or start + length > self.shape[0]:
+            raise ValueError(
+                f"rows [{start}, {start + length}) lie outside {self.name} of shape {tuple(self.shape)}"
+            )
+        return CheckpointTensor(self._slice, self.name, (self._rows[0] + start, length))
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         if dim < 0:
             dim += len(self.shape)
-        index = tuple([slice(None)] * dim + [slice(start, start + length)])
-        return BYTES_READ.add(self._slice[index])
+        bounds = [slice(0, size) for size in self.shape]
+        bounds[dim] = slice(start, start + length)
+        return self._read(bounds)
 
     def __getitem__(self, index: slice) -> torch.Tensor:
-        return BYTES_READ.add(self._slice[index])
+        start, stop, step = index.indices(self.shape[0])
+        if step != 1:
+            raise ValueError(f"{self.name}: only contiguous rows are read")
+        return self.narrow(0, start, max(stop - start, 0))
 
     def materialize(self) -> torch.Tensor:
-        return BYTES_READ.add(self._slice[:])
+        return self._read([slice(0, size) for size in self.shape])
+
+    def _read(self, bounds: list[slice]) -> torch.Tensor:
+        if bounds:  # in the file's coordinates: shifted by this tensor's first row
+            offset = self._rows[0]
+            bounds[0] = slice(bounds[0].start + offset, bounds[0].stop + offset)
+        return BYTES_READ.add(self._slice[tuple(bounds)])
+
+
+def take_rows(
+    tensor: torch.Tensor | CheckpointTensor, start: int, length: int
+) -> torch.Tensor | CheckpointTensor:
+    """Rows [start, start + length) of a checkpoint tensor, read no sooner than the whole would be."""
+    if isinstance(tensor, CheckpointTensor):
+        return tensor.rows(start, length)
+    return tensor.narrow(0, start, length)
 
 
 def materialize(tensor: torch.Tensor | CheckpointTensor) -> torch.Tensor:

@@ -27,12 +27,10 @@ from tessera.models.layers.linear import GeluTanhGatedLinear, RowParallelLinear,
 from tessera.models.layers.norm import HeadRMSNorm, RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
 from tessera.models.llama import LlamaAttention, LlamaForCausalLM
+from tessera.models.rope_config import FULL, SLIDING, gemma3_rope_parameters
 from tessera.topology import SINGLE_RANK, RankPlacement
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 HIDDEN_ACTIVATION = "gelu_pytorch_tanh"
-# Gemma 3's RoPE bases when config.json names none (Gemma3TextConfig.default_theta).
-GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 
 
 def _positive_or_none(config: Any, field: str) -> float | None:
@@ -73,22 +71,6 @@ def gemma_sliding_window(config: Any, layer: int) -> int | None:
     """``layer``'s window as transformers' Gemma attention applies it: config.sliding_window on the
     layers layer_types marks sliding (a key is seen from ``window - 1`` positions back)."""
     return int(config.sliding_window) if config.layer_types[layer] == SLIDING else None
-
-
-def gemma3_rope_parameters(config: Any) -> dict[str, dict[str, Any]]:
-    """Each layer type's RoPE settings as ``Gemma3TextConfig`` reads them: ``rope_parameters``
-    keyed by layer type, or the older spelling (``rope_theta`` and ``rope_scaling`` for full
-    layers, ``rope_local_base_freq`` for sliding ones)."""
-    given = getattr(config, "rope_parameters", None) or {}
-    params = {kind: dict(given.get(kind) or {"rope_type": "default"}) for kind in (FULL, SLIDING)}
-    scaling = getattr(config, "rope_scaling", None)
-    if scaling:
-        params[FULL].update(scaling)
-    params[FULL].setdefault("rope_theta", getattr(config, "rope_theta", GEMMA3_THETA[FULL]))
-    params[SLIDING].setdefault("rope_theta", getattr(config, "rope_local_base_freq", GEMMA3_THETA[SLIDING]))
-    for kind_params in params.values():
-        kind_params.setdefault("rope_type", kind_params.get("type", "default"))
-    return params
 
 
 Norm = TypeVar("Norm", bound=RMSNorm)
@@ -223,10 +205,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     decoder_layer_class = Gemma3DecoderLayer
-
-    def context_length(self, config: Any) -> int:
-        # Gemma 3's max_position_embeddings already counts its full layers' linear RoPE scaling.
-        return int(config.max_position_embeddings)
 
     def build_rotary(self, config: Any, dtype: torch.dtype) -> nn.Module:
         params = gemma3_rope_parameters(config)

@@ -15,6 +15,11 @@ from typing import Any
 
 CONFIG_FILE = "config.json"
 
+
+class UnsupportedModelError(ValueError):
+    """A model folder the engine cannot run as it is written (the message names the field)."""
+
+
 _SHARED = {
     "hidden_size": 4096,
     "num_hidden_layers": 32,
@@ -61,6 +66,19 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "ministral": {**_MISTRAL, "layer_types": None},
     "qwen2": _QWEN,
     "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
+    # Phi-3 has no head_dim field (its attention divides hidden_size by the heads); every layer
+    # slides when sliding_window is set.
+    "phi3": {
+        **_SHARED,
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_key_value_heads": None,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "sliding_window": None,
+    },
 }
 _GEMMA = {
     "hidden_size": 2304,
@@ -106,6 +124,7 @@ ARCHITECTURE_FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -132,6 +151,8 @@ def _derive(values: dict[str, Any]) -> None:
             "sliding_attention" if (layer + 1) % pattern else "full_attention"
             for layer in range(values["num_hidden_layers"])
         ]
+    if values.get("model_type") == "phi3":
+        _phi3_rope_type(values)
     if values.get("model_type") in ("qwen2", "qwen3"):
         # Qwen2 and Qwen3 slide only when asked, on the layers from max_window_layers on.
         window = values["sliding_window"] if values["use_sliding_window"] else None
@@ -143,6 +164,17 @@ def _derive(values: dict[str, Any]) -> None:
                 else "full_attention"
                 for layer in range(values["num_hidden_layers"])
             ]
+
+
+def _phi3_rope_type(values: dict[str, Any]) -> None:
+    """Phi-3's config class reads the RoPE types "su" and "yarn" as "longrope" (its only scaling)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = values.get(key)
+        if isinstance(params, dict) and params.get("rope_type", params.get("type")) in ("su", "yarn"):
+            values[key] = {**params, "rope_type": "longrope"}
+            return
+        if params:
+            return  # the first one given is the one read (see rope_config.rope_parameters)
 
 
 class HFConfig:

@@ -22,6 +22,7 @@ from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from tessera.models.layers.linear import QKVParallelLinear, RowParallelLinear, SiluGatedLinear, copy_checked
 from tessera.models.layers.norm import RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
+from tessera.models.rope_config import context_length, rope_parameters
 from tessera.topology import SINGLE_RANK, RankPlacement
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -34,34 +35,13 @@ STACKED_PARAMS: list[tuple[str, str, Any]] = [
 ]
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """RoPE settings whichever way the config spells them (transformers 5: ``rope_parameters``;
-    older files: ``rope_theta`` + ``rope_scaling``). Given both, ``rope_scaling`` wins, as in
-    transformers (a model card's scaling added to a newer file must not go unread)."""
-    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
-    params = dict(scaling or {})
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
-
-
-def context_length(config: Any) -> int:
-    """The longest sequence the model's positions cover: max_position_embeddings, stretched by a
-    linear RoPE scaling's factor (llama3's scaling already counts in max_position_embeddings)."""
-    length = int(getattr(config, "max_position_embeddings", 4096))
-    params = rope_parameters(config)
-    if params["rope_type"] == "linear":
-        length = int(length * float(params["factor"]))
-    return length
-
-
 def sliding_window_of_layer(config: Any, layer: int) -> int | None:
     """``layer``'s attention window as transformers' model code applies it: Llama's attention has
-    none (whatever config.json holds); Mistral's layers all slide; Qwen2's and Qwen3's (when asked) and
+    none (whatever config.json holds); Mistral's and Phi-3's layers all slide; Qwen2's and Qwen3's (when asked) and
     Ministral's (a Mistral config with layer_types) only those its layer_types mark."""
     window = getattr(config, "sliding_window", None)
     family = getattr(config, "model_type", "")
-    if not window or family not in ("mistral", "ministral", "qwen2", "qwen3"):
+    if not window or family not in ("mistral", "ministral", "qwen2", "qwen3", "phi3"):
         return None
     if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
         return None
@@ -265,7 +245,13 @@ class LlamaForCausalLM(nn.Module):
 
     def build_rotary(self, config: Any, dtype: torch.dtype) -> nn.Module:
         """The RoPE table(s) ``layer_ropes`` looks positions up in (one, for this family)."""
-        return RotaryEmbedding(self._head_dim, self.max_context, rope_parameters(config), dtype)
+        return RotaryEmbedding(
+            self._head_dim,
+            self.max_context,
+            rope_parameters(config),
+            dtype,
+            max_position_embeddings=int(getattr(config, "max_position_embeddings", self.max_context)),
+        )
 
     def layer_ropes(self, positions: torch.Tensor) -> list[torch.Tensor]:
         """Each local layer's cos/sin rows for ``positions`` (a family whose layers rotate by

@@ -19,10 +19,12 @@ import torch
 from tessera.models.checkpoint import iterate_lazily
 from tessera.models.decoder_stack import build_decoder_stack
 from tessera.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
+from tessera.models.hf_config import HFConfig, UnsupportedModelError, load_hf_config
 from tessera.models.layers.linear import gemm_backend, process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
+from tessera.models.phi3 import Phi3ForCausalLM
 from tessera.models.qwen3 import Qwen3ForCausalLM
+from tessera.models.support import check_model_folder, supported_architecture
 from tessera.topology import SINGLE_RANK, RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -36,27 +38,20 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
-
-
-class UnsupportedModelError(ValueError):
-    pass
-
-
-# A config.json without "architectures" still names its family.
-MODEL_TYPES = {family: architecture for architecture, family in ARCHITECTURE_FAMILIES.items()}
+__all__ = [
+    "MODEL_CLASSES",
+    "UnsupportedModelError",
+    "load_model",
+    "model_class_for",
+    "safetensors_files",
+    "select_gemm_backends",
+]
 
 
 def model_class_for(config: HFConfig) -> type[LlamaForCausalLM]:
-    architectures = list(getattr(config, "architectures", None) or [])
-    if not architectures and getattr(config, "model_type", None) in MODEL_TYPES:
-        architectures = [MODEL_TYPES[config.model_type]]
-    for architecture in architectures:
-        if architecture in MODEL_CLASSES:
-            return MODEL_CLASSES[architecture]
-    raise UnsupportedModelError(
-        f"unsupported architecture {architectures or config.model_type!r}; supported: {', '.join(MODEL_CLASSES)}"
-    )
+    return MODEL_CLASSES[supported_architecture(config)]
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -84,18 +79,8 @@ def load_model(
     started = time.monotonic()
     folder = Path(folder)
     device = torch.device(device)
-    config = load_hf_config(folder)
+    config = check_model_folder(folder)
     model_class = model_class_for(config)
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = (
-            quantization.get("quant_method")
-            if isinstance(quantization, dict)
-            else getattr(quantization, "quant_method", None)
-        )
-        raise UnsupportedModelError(
-            f"{folder} holds a quantized checkpoint ({method}): only unquantized fp32/fp16/bf16 weights load"
-        )
     with torch.device(device):
         model = model_class(config, dtype=dtype, placement=placement)
     with torch.no_grad():

@@ -90,7 +90,7 @@ class ModelRunner:
             # Positions past the RoPE table have no meaning the model was trained for (vLLM refuses too).
             raise ValueError(
                 f"max_model_len={config.max_model_len} is longer than the model's context of {context} "
-                "tokens (max_position_embeddings, times a linear RoPE scaling's factor)"
+                "tokens (max_position_embeddings as its RoPE scaling stretches it, see models/rope_config.py)"
             )
         self.max_model_len = config.max_model_len or context
         self.vocab_size = int(self.model.config.vocab_size)
