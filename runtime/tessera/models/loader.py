@@ -21,7 +21,9 @@ from tessera.models.decoder_stack import build_decoder_stack
 from tessera.models.hf_config import ARCHITECTURE_FAMILIES, HFConfig, load_hf_config
 from tessera.models.layers.linear import gemm_backend, process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
+from tessera.models.mixtral import MixtralForCausalLM
 from tessera.models.qwen3 import Qwen3ForCausalLM
+from tessera.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tessera.topology import SINGLE_RANK, RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MinistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
