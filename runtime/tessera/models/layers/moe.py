@@ -32,8 +32,8 @@ from tessera.distributed.communication import (
 from tessera.kernels.gemm import AtenWeight, PackedWeight
 from tessera.kernels.gemm_selection import select_swiglu_product
 from tessera.models.checkpoint import CheckpointTensor
-from tessera.models.layers.expert_parallel import compute_on_expert_ranks
 from tessera.models.layers.activation import silu_and_mul
+from tessera.models.layers.expert_parallel import compute_on_expert_ranks
 from tessera.models.layers.linear import (
     RowParallelLinear,
     SiluGatedLinear,
