@@ -8,9 +8,11 @@ import pytest
 
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.family_greedy import check_family_greedy
+from tests.models.moe_variants import MOE_VARIANTS
 
 FAMILIES = {
     "qwen3": {"arch": "qwen3", "overrides": {"head_dim": 32}},
+    **MOE_VARIANTS,
 }
 
 

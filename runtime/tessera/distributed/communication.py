@@ -27,8 +27,9 @@ class CommStats:
     p2p_bytes_received: int = 0
     # Expert parallelism's all-to-all exchanges (layers/expert_parallel.py): bytes this rank sent
     # to other ranks, and the (token, expert) rows among them: dispatched to the experts' ranks,
-    # and returned to the tokens' ranks as expert outputs.
+    # and returned to the tokens' ranks as expert outputs; exchanges: MoE layer calls.
     all_to_all_bytes_sent: int = 0
+    expert_exchanges: int = 0
     expert_rows_dispatched: int = 0
     expert_rows_returned: int = 0
 

@@ -61,9 +61,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "ministral": {**_MISTRAL, "layer_types": None},
     "qwen2": _QWEN,
     "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
+    # Mixtral's head_dim stays null in transformers too (the model divides hidden_size by the heads).
     "mixtral": {
         **_MISTRAL,
-        "head_dim": None,
+        "rope_theta": 1e6,  # its config class's default_theta
         "rms_norm_eps": 1e-5,
         "sliding_window": None,
         "num_local_experts": 8,

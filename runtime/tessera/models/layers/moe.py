@@ -42,6 +42,7 @@ from tessera.models.layers.linear import (
     divide,
     pack_weight,
 )
+from tessera.models.layers.moe_timers import MOE_TIMERS
 from tessera.topology import RankPlacement
 
 # Rows per expert the GEMM selection times: an expert sees tokens * top_k / num_experts rows, a
@@ -215,7 +216,10 @@ def routed_experts(
     tokens = order // expert_ids.shape[1]
     counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
     rows = x[tokens]
-    outputs = compute_on_expert_ranks(rows, counts, experts) if exchange else experts.grouped(rows, counts)
+    if exchange:
+        outputs = compute_on_expert_ranks(rows, counts, experts)
+    else:
+        outputs = MOE_TIMERS.run("experts", experts.grouped, rows, counts)
     return combine(torch.zeros_like(x), tokens, outputs, weights.reshape(-1)[order])
 
 
@@ -265,7 +269,9 @@ class SparseMoeBlock(nn.Module):
         if self.expert_parallel:
             return self._expert_parallel_forward(x)
         full = tp_all_gather(x, dim=0) if self.sharded else x
-        y = routed_experts(full, self.experts, *self.gate.route(full), exchange=False)
+        y = routed_experts(
+            full, self.experts, *MOE_TIMERS.run("routing", self.gate.route, full), exchange=False
+        )
         if self.shared_expert is not None:
             y = y + self.shared(full)
         if self.tp_size == 1:
@@ -281,7 +287,9 @@ class SparseMoeBlock(nn.Module):
         else:
             rows = padded_rows(x.shape[0], self.tp_size) // self.tp_size
             shard = pad_rows(x, rows * self.tp_size)[self.tp_rank * rows : (self.tp_rank + 1) * rows]
-        y = routed_experts(shard, self.experts, *self.gate.route(shard), exchange=True)
+        y = routed_experts(
+            shard, self.experts, *MOE_TIMERS.run("routing", self.gate.route, shard), exchange=True
+        )
         if self.shared_expert is None:
             return y if self.sharded else tp_all_gather(y, dim=0)[: x.shape[0]]
         if self.sharded:
