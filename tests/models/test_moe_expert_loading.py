@@ -12,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tessera.models.checkpoint import iterate_lazily
+from tessera.models.hf_config import load_hf_config
 from tessera.models.layers.moe import GroupedExperts
-from tessera.models.loader import load_model
+from tessera.models.loader import load_model, model_class_for, safetensors_files
 from tessera.topology import RankPlacement
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.paged_harness import PagedDriver
@@ -28,6 +30,17 @@ def qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("qwen3-moe"), arch="qwen3_moe", overrides=OVERRIDES)
 
 
+def loaded_unpacked(folder: Path, placement: RankPlacement) -> torch.nn.Module:
+    """The rank's model with its checkpoint tensors loaded, before any GEMM repacking (which
+    may replace the dense parameters): what the rank materialises from the checkpoint."""
+    config = load_hf_config(folder)
+    model = model_class_for(config)(config, dtype=torch.float32, placement=placement)
+    with torch.no_grad():
+        loaded = model.load_weights(iterate_lazily(safetensors_files(folder)))
+    assert model.missing_parameters(loaded) == []
+    return model
+
+
 def expert_elements(model: torch.nn.Module) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
 
@@ -36,7 +49,7 @@ def expert_elements(model: torch.nn.Module) -> int:
 def test_each_rank_holds_and_reads_its_share_of_the_experts(
     qwen3_moe_dir: Path, expert_parallel: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    single = load_model(qwen3_moe_dir, dtype=torch.float32, device="cpu")
+    single = loaded_unpacked(qwen3_moe_dir, RankPlacement())
     read: list[list[int]] = []
     load_expert = GroupedExperts.load_expert
 
@@ -48,7 +61,7 @@ def test_each_rank_holds_and_reads_its_share_of_the_experts(
     for rank in range(TP):
         read.append([])
         placement = RankPlacement(tp_rank=rank, tp_size=TP, expert_parallel=expert_parallel)
-        model = load_model(qwen3_moe_dir, dtype=torch.float32, device="cpu", placement=placement)
+        model = loaded_unpacked(qwen3_moe_dir, placement)
         assert expert_elements(model) * TP == expert_elements(single)
         experts = model.model.layers[0].mlp.experts
         layers = len(model.model.layers)
@@ -88,8 +101,7 @@ def test_fused_expert_tensors_load_as_per_expert_ones(qwen3_moe_dir: Path, tmp_p
         RankPlacement(tp_rank=1, tp_size=2),
         RankPlacement(tp_rank=1, tp_size=2, expert_parallel=True),
     ):
-        a = load_model(qwen3_moe_dir, dtype=torch.float32, device="cpu", placement=placement)
-        b = load_model(fused_dir, dtype=torch.float32, device="cpu", placement=placement)
+        a, b = loaded_unpacked(qwen3_moe_dir, placement), loaded_unpacked(fused_dir, placement)
         for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
             torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
     prompt = list(range(5, 20))

@@ -48,10 +48,11 @@ from tessera.topology import RankPlacement
 # Rows per expert the GEMM selection times: an expert sees tokens * top_k / num_experts rows, a
 # few at decode, some hundred in a prefill chunk. The selection measures every backend, ATen's
 # F.linear included, per shape on this machine and keeps the fastest (never a fixed choice).
-# Measured on the 2-core EPYC here, fp32, per expert and call (gate_up + down): hidden 64 /
-# intermediate 32 (the tests' tiny experts): packed 6.1 us vs F.linear 7.9 us at 16 rows;
-# hidden 1024 / intermediate 512: packed 0.21 ms vs 0.24 ms at 16 rows, 1.36 vs 1.41 ms at 128
-# (benchmarks/moe_throughput.py records the run's share of expert GEMM time).
+# Packing per expert pays off here: on the shared 2-core EPYC of this work (fp32, 2 threads,
+# other processes running), one expert's gate_up + SwiGLU + down, chosen form vs F.linear:
+# hidden 64 / intermediate 32 (the tests'): 11.6 vs 11.5 us at 2 rows, 14.4 vs 15.0 at 16, 160
+# vs 422 at 128; hidden 1024 / intermediate 512: 0.10 vs 1.25 ms at 2 rows, 0.72 vs 3.1 at 16,
+# 11 vs 24 at 128 (the panels won both products of the larger shape).
 EXPERT_ROWS = (2, 16, 128)
 
 
@@ -169,7 +170,8 @@ class GroupedExperts(nn.Module):
             _copy_shard(param.data.narrow(1, half * inter, inter), source, 1, self.shard, self.intermediate)
 
     def pack_weights(self) -> None:
-        """Each expert's weights in the GEMM form measured fastest for its shape (EXPERT_ROWS)."""
+        """Each expert's weights in the GEMM form measured fastest for its shape (EXPERT_ROWS);
+        the dense copies go once no form reads them (ATen's multiplies the dense weight itself)."""
         if self.gate_up_proj.device.type != "cpu":
             return
         self.packed = [
@@ -179,6 +181,9 @@ class GroupedExperts(nn.Module):
             )
             for e in range(self.count)
         ]
+        for index, param in enumerate((self.gate_up_proj, self.down_proj)):
+            if all(forms[index].backend != "aten" for forms in self.packed):
+                param.data = torch.empty(0, dtype=param.dtype)
 
     def expert_forward(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """Local expert ``expert``'s SwiGLU MLP on its rows [m, hidden] -> [m, hidden]."""
