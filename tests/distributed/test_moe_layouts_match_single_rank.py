@@ -31,11 +31,12 @@ LAYOUTS: list[dict[str, Any]] = [
         "enable_expert_parallel": True,
     },
 ]
-# Requests of 3-70 tokens over a 48-token budget (chunked prefill) and 24 blocks (preemption).
+# Six requests of 3-60 tokens over a 32-token budget (chunked prefill) and 10 blocks of 16
+# (preemption); few steps, since every step of a layout costs its rank processes' round trips.
 WORKLOAD = Workload(
-    prompts=token_prompts(8, vocab=512, min_len=3, max_len=70),
-    params=SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2, prompt_logprobs=1),
-    engine_args={"max_num_batched_tokens": 48, "num_kv_blocks": 24, "max_model_len": 160, "max_num_seqs": 16},
+    prompts=token_prompts(6, vocab=512, min_len=3, max_len=60),
+    params=SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+    engine_args={"max_num_batched_tokens": 32, "num_kv_blocks": 10, "max_model_len": 128, "max_num_seqs": 8},
 )
 _reference: list[Run] = []
 
