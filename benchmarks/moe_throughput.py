@@ -41,7 +41,8 @@ MODELS: dict[str, dict[str, Any]] = {
         },
     },
     # The same attention; one MLP of top_k experts' width: the parameters a token goes through.
-    "dense": {"arch": "qwen3", "intermediate": TOP_K * EXPERT_INTERMEDIATE},
+    # (Qwen3's head_dim defaults to 128, Qwen3-MoE's to hidden / heads: set to the MoE's.)
+    "dense": {"arch": "qwen3", "intermediate": TOP_K * EXPERT_INTERMEDIATE, "overrides": {"head_dim": 64}},
 }
 LAYOUTS: dict[str, dict[str, Any]] = {
     "tp1": {},
@@ -135,9 +136,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="8 requests of 8 output tokens: a smoke run")
     args = parser.parse_args()
     if args.quick:
