@@ -130,3 +130,13 @@ def test_experts_not_divisible_by_tp_are_refused_naming_the_field(tmp_path: Path
         load_model(folder, dtype=torch.float32, device="cpu", placement=placement)
     config = json.loads((folder / "config.json").read_text())
     assert config["num_local_experts"] == 6
+
+
+def test_expert_intermediate_not_divisible_by_tp_is_refused_naming_the_field(qwen3_moe_dir: Path) -> None:
+    """Without EP each expert splits its intermediate dimension over the TP ranks."""
+    config = load_hf_config(qwen3_moe_dir)
+    config.moe_intermediate_size = 33
+    with pytest.raises(
+        ValueError, match=r"moe_intermediate_size=33 is not divisible by tensor_parallel_size=2"
+    ):
+        model_class_for(config)(config, dtype=torch.float32, placement=RankPlacement(tp_size=2, tp_rank=0))

@@ -26,6 +26,7 @@ class MixtralDecoderLayer(MoeDecoderLayer):
             intermediate_size=config.intermediate_size,
             renormalize=True,
             weights_in_model_dtype=False,
+            intermediate_field="intermediate_size",
         )
 
 

@@ -39,7 +39,6 @@ from tessera.models.layers.linear import (
     SiluGatedLinear,
     _copy_shard,
     _param,
-    divide,
     pack_weight,
 )
 from tessera.models.layers.moe_timers import MOE_TIMERS
@@ -67,6 +66,7 @@ class MoeSpec:
     # Mixtral multiplies expert outputs by the fp32 weights; Qwen casts them to the model's dtype first.
     weights_in_model_dtype: bool
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    intermediate_field: str = "moe_intermediate_size"  # config.json's name for intermediate_size
 
 
 def check_expert_parallel(spec: MoeSpec, placement: RankPlacement, experts_field: str) -> None:
@@ -125,7 +125,13 @@ class GroupedExperts(nn.Module):
             self.count, self.first = spec.num_experts, 0
             self.shard, self.shards = placement.tp_rank, placement.tp_size
         self.intermediate = spec.intermediate_size
-        inter = divide(spec.intermediate_size, self.shards)
+        if spec.intermediate_size % self.shards:
+            raise ValueError(
+                f"config.json {spec.intermediate_field}={spec.intermediate_size} is not divisible by "
+                f"tensor_parallel_size={self.shards}: the experts split over the TP ranks "
+                "(choose a TP size that divides it, or --enable-expert-parallel to keep experts whole)"
+            )
+        inter = spec.intermediate_size // self.shards
         self.gate_up_proj = _param((self.count, 2 * inter, hidden), dtype)
         self.down_proj = _param((self.count, hidden, inter), dtype)
         self.gate_up_proj.weight_loader = self._load_fused  # type: ignore[attr-defined]
