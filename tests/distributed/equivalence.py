@@ -8,7 +8,7 @@ reports every near-tie it accepted; any other mismatch fails.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tessera import LLM, SamplingParams
@@ -41,13 +41,18 @@ class Run:
     outputs: list[CompletionOutput]
     preemptions: int
     prompt_logprobs: list[list[float]]  # per request (when asked for): each prompt token's after the first
+    comm_stats: list[dict[str, Any]] = field(default_factory=list)  # per rank, with ``comm_stats=True``
 
 
-def run(model: str, workload: Workload, **layout: Any) -> Run:
+def run(model: str, workload: Workload, comm_stats: bool = False, **layout: Any) -> Run:
+    """``comm_stats``: also each rank's communication counters over the generation (ranks > 1)."""
     llm = LLM(model, **workload.engine_args, **layout)
     try:
         recorder = StatsRecorder(llm)
+        if comm_stats:
+            llm.engine.executor.collective_rpc("reset_comm_stats")
         results = llm.generate(workload.prompts, workload.params)
+        stats = llm.engine.executor.collective_rpc("comm_stats") if comm_stats else []
         prompt_logprobs = [
             [
                 entry[token].logprob
@@ -56,7 +61,7 @@ def run(model: str, workload: Workload, **layout: Any) -> Run:
             for r in results
             if r.prompt_logprobs is not None
         ]
-        return Run([r.outputs[0] for r in results], recorder.preemptions, prompt_logprobs)
+        return Run([r.outputs[0] for r in results], recorder.preemptions, prompt_logprobs, stats)
     finally:
         llm.engine.shutdown()
 

@@ -209,7 +209,49 @@ CASES: dict[str, dict[str, Any]] = {
         },
         "max_position_embeddings": 32768,
     },
+    "mixtral, nothing but its type": {"model_type": "mixtral"},
+    "mixtral, window, experts spelled num_experts": {
+        "model_type": "mixtral",
+        **SMALL,
+        "sliding_window": 32,
+        "num_experts": 4,
+        "architectures": ["MixtralForCausalLM"],
+    },
+    "qwen2_moe, nothing but its type": {"model_type": "qwen2_moe"},
+    "qwen2_moe, window on every other lower layer, dense layers": {
+        "model_type": "qwen2_moe",
+        **SMALL,
+        "use_sliding_window": True,
+        "sliding_window": 32,
+        "max_window_layers": 3,
+        "mlp_only_layers": [0, 2],
+        "decoder_sparse_step": 2,
+        "norm_topk_prob": True,
+        "qkv_bias": False,
+    },
+    "qwen3_moe, nothing but its type": {"model_type": "qwen3_moe"},
+    "qwen3_moe, Hub spelling num_experts, window": {
+        "model_type": "qwen3_moe",
+        **SMALL,
+        "num_experts": 16,
+        "use_sliding_window": True,
+        "sliding_window": 32,
+        "architectures": ["Qwen3MoeForCausalLM"],
+    },
+    "qwen3_moe, as transformers saves it": {"model_type": "qwen3_moe", **SMALL, "num_local_experts": 6},
 }
+# What the MoE families read beyond FIELDS (their experts; every name either spelling gives).
+MOE_FIELDS = (
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "qkv_bias",
+)
 
 
 def transformers_config(folder: Path) -> Any:
@@ -225,7 +267,12 @@ def windows_transformers_runs(config: Any) -> list[int | None]:
     layers = range(config.num_hidden_layers)
     if config.model_type == "llama":
         return [None for _ in layers]
-    if config.model_type in ("mistral", "phi3"):
+    if config.model_type in (
+        "mistral",
+        "phi3",
+        "mixtral",
+        "qwen3_moe",
+    ):  # every layer (sliding_window None: none)
         return [config.sliding_window for _ in layers]
     return [config.sliding_window if config.layer_types[i] == "sliding_attention" else None for i in layers]
 
@@ -273,6 +320,9 @@ def test_fields_and_derivations_match_transformers(tmp_path: Path, fields: dict[
         assert getattr(ours, name, None) == getattr(theirs, name, None), name
     if "quantization_config" not in fields:
         check_supported(ours, tmp_path)
+    if "moe" in theirs.model_type or theirs.model_type == "mixtral":
+        for name in MOE_FIELDS:
+            assert getattr(ours, name, None) == getattr(theirs, name, None), name
     ours_windows = [sliding_window_of_layer(ours, layer) for layer in range(ours.num_hidden_layers)]
     ours_derived, theirs_derived = (
         derived(ours, ours_windows, theirs=False),

@@ -8,10 +8,12 @@ import pytest
 
 from tests.fixtures.models import make_tiny_model_dir
 from tests.models.family_greedy import check_family_greedy
+from tests.models.moe_variants import MOE_VARIANTS
 
 FAMILIES = {
     "qwen3": {"arch": "qwen3", "overrides": {"head_dim": 32}},
     "phi3": {"arch": "phi3"},
+    **MOE_VARIANTS,
 }
 
 

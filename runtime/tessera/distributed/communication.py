@@ -6,6 +6,7 @@ step). On CUDA the timings cover only the launch of asynchronous NCCL work.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -24,6 +25,13 @@ class CommStats:
     p2p_seconds: float = 0.0
     p2p_bytes_sent: int = 0
     p2p_bytes_received: int = 0
+    # Expert parallelism's all-to-all exchanges (layers/expert_parallel.py): bytes this rank sent
+    # to other ranks, and the (token, expert) rows among them: dispatched to the experts' ranks,
+    # and returned to the tokens' ranks as expert outputs; exchanges: MoE layer calls.
+    all_to_all_bytes_sent: int = 0
+    expert_exchanges: int = 0
+    expert_rows_dispatched: int = 0
+    expert_rows_returned: int = 0
 
     def reset(self) -> None:
         for name, value in asdict(CommStats()).items():
@@ -91,6 +99,29 @@ def tp_reduce_scatter(tensor: torch.Tensor, dim: int = 0, group: ParallelGroup |
     dist.reduce_scatter_tensor(out, moved, group=active.process_group)
     _count(started)
     return out.movedim(0, dim)
+
+
+def tp_all_to_all(
+    tensor: torch.Tensor,
+    send_rows: list[int],
+    receive_rows: list[int],
+    group: ParallelGroup | None = None,
+) -> torch.Tensor:
+    """Send ``send_rows[r]`` consecutive rows of ``tensor`` to TP rank r, and receive
+    ``receive_rows[r]`` rows from each rank r, concatenated in rank order (gloo and NCCL both run
+    ``all_to_all_single`` with uneven splits). Counts the bytes sent to other ranks."""
+    active = _active(group or get_tp_group())
+    if active is None:
+        return tensor
+    started = time.perf_counter()
+    tensor = tensor.contiguous()
+    out = tensor.new_empty((sum(receive_rows), *tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor, receive_rows, send_rows, group=active.process_group)
+    _count(started)
+    row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+    others = sum(rows for rank, rows in enumerate(send_rows) if rank != active.rank_in_group)
+    COMM_STATS.all_to_all_bytes_sent += others * row_bytes
+    return out
 
 
 def _count(started: float) -> None:

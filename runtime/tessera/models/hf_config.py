@@ -79,6 +79,56 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         "original_max_position_embeddings": 4096,
         "sliding_window": None,
     },
+    # Mixtral's head_dim stays null in transformers too (the model divides hidden_size by the heads).
+    "mixtral": {
+        **_MISTRAL,
+        "rope_theta": 1e6,  # its config class's default_theta
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen2_moe": {
+        **_QWEN,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts_per_tok": 4,
+        "num_experts": 60,
+        "norm_topk_prob": False,
+        "mlp_only_layers": None,
+        "qkv_bias": True,
+    },
+    "qwen3_moe": {
+        **_SHARED,
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 768,
+        "num_experts_per_tok": 8,
+        "num_local_experts": 128,
+        "norm_topk_prob": False,
+        "mlp_only_layers": None,
+    },
+}
+# Field names transformers reads as others (its config classes' attribute_map): Hub configs of
+# Qwen3-MoE say num_experts, transformers saves num_local_experts; the model reads either.
+ATTRIBUTE_MAPS: dict[str, dict[str, str]] = {
+    "mixtral": {"num_experts": "num_local_experts"},
+    "qwen3_moe": {"num_experts": "num_local_experts"},
 }
 _GEMMA = {
     "hidden_size": 2304,
@@ -125,6 +175,9 @@ ARCHITECTURE_FAMILIES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -153,6 +206,20 @@ def _derive(values: dict[str, Any]) -> None:
         ]
     if values.get("model_type") == "phi3":
         _phi3_rope_type(values)
+    if "mlp_only_layers" in values and values["mlp_only_layers"] is None:
+        values["mlp_only_layers"] = []
+    if values.get("model_type") == "qwen3_moe" and not values["use_sliding_window"]:
+        values["sliding_window"] = None
+    if values.get("model_type") == "qwen2_moe":
+        # Qwen2-MoE's rule differs from Qwen2's: every other layer below max_window_layers slides.
+        values["sliding_window"] = values["sliding_window"] if values["use_sliding_window"] else 0
+        if values["layer_types"] is None:
+            values["layer_types"] = [
+                "sliding_attention"
+                if (i + 1) % 2 and i < values["max_window_layers"] and values["use_sliding_window"]
+                else "full_attention"
+                for i in range(values["num_hidden_layers"])
+            ]
     if values.get("model_type") in ("qwen2", "qwen3"):
         # Qwen2 and Qwen3 slide only when asked, on the layers from max_window_layers on.
         window = values["sliding_window"] if values["use_sliding_window"] else None
@@ -190,7 +257,10 @@ class HFConfig:
             )
         if model_type == "mistral" and "layer_types" in fields:
             model_type = "ministral"  # transformers' AutoConfig reads it so
+        aliases = ATTRIBUTE_MAPS.get(model_type or "", {})
+        fields = {aliases.get(name, name): value for name, value in fields.items()}
         values = {**FAMILY_DEFAULTS.get(model_type or "", {}), **fields}
+        values.update({alias: values[name] for alias, name in aliases.items()})
         if model_type is not None:
             values["model_type"] = model_type
         _derive(values)

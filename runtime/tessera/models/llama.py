@@ -38,15 +38,19 @@ STACKED_PARAMS: list[tuple[str, str, Any]] = [
 def sliding_window_of_layer(config: Any, layer: int) -> int | None:
     """``layer``'s attention window as transformers' model code applies it: Llama's attention has
     none (whatever config.json holds); Mistral's and Phi-3's layers all slide; Qwen2's and Qwen3's (when asked) and
-    Ministral's (a Mistral config with layer_types) only those its layer_types mark."""
+    Ministral's (a Mistral config with layer_types) only those its layer_types mark. Mixtral's
+    and Qwen3-MoE's all slide (Qwen3-MoE when asked); Qwen2-MoE's as its layer_types mark."""
     window = getattr(config, "sliding_window", None)
     family = getattr(config, "model_type", "")
-    if not window or family not in ("mistral", "ministral", "qwen2", "qwen3", "phi3"):
+    every_layer = ("mistral", "phi3", "mixtral", "qwen3_moe")
+    if not window or family not in ("ministral", "qwen2", "qwen3", "qwen2_moe", *every_layer):
         return None
-    if family in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not getattr(
+        config, "use_sliding_window", False
+    ):
         return None
     layer_types = getattr(config, "layer_types", None)
-    if family != "mistral" and layer_types is not None and layer_types[layer] != "sliding_attention":
+    if family not in every_layer and layer_types is not None and layer_types[layer] != "sliding_attention":
         return None
     return int(window)
 
@@ -63,6 +67,7 @@ class LlamaAttention(nn.Module):
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        qkv_bias = qkv_bias or (config.model_type == "qwen2_moe" and bool(config.qkv_bias))
         o_bias = getattr(config, "attention_bias", False) and config.model_type != "qwen2"
         self.qkv_proj = QKVParallelLinear(
             hidden,
@@ -155,9 +160,13 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = self.attention_class(config, layer, dtype, placement)
-        self.mlp = LlamaMLP(config, dtype, placement)
+        self.mlp = self.make_mlp(config, layer, dtype, placement)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+
+    def make_mlp(self, config: Any, layer: int, dtype: torch.dtype, placement: RankPlacement) -> nn.Module:
+        """Layer ``layer``'s MLP (families with sparse layers build theirs here)."""
+        return LlamaMLP(config, dtype, placement)
 
     def forward(
         self,

@@ -22,8 +22,10 @@ from tessera.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from tessera.models.hf_config import HFConfig, UnsupportedModelError, load_hf_config
 from tessera.models.layers.linear import gemm_backend, process_weights_after_loading
 from tessera.models.llama import LlamaForCausalLM
+from tessera.models.mixtral import MixtralForCausalLM
 from tessera.models.phi3 import Phi3ForCausalLM
 from tessera.models.qwen3 import Qwen3ForCausalLM
+from tessera.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from tessera.models.support import check_model_folder, supported_architecture
 from tessera.topology import SINGLE_RANK, RankPlacement
 
@@ -39,6 +41,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 __all__ = [
     "MODEL_CLASSES",

@@ -23,6 +23,7 @@ from tessera.distributed.group_secret import GroupKeys
 from tessera.distributed.intermediate_tensors import IntermediateTensors
 from tessera.distributed.parallel_state import destroy_distributed, init_distributed
 from tessera.host import PROCESS_CPUS, cgroup_cpu_limit
+from tessera.models.layers.moe_timers import MOE_TIMERS
 from tessera.models.registry import resolve_model
 from tessera.topology import Topology
 from tessera.wire.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -159,10 +160,16 @@ class Worker:
         return result if self.is_output_rank else None
 
     def comm_stats(self) -> dict[str, Any]:
-        return {"rank": self.topology.rank, **COMM_STATS.snapshot(), **self.runner.step_stats()}
+        return {
+            "rank": self.topology.rank,
+            **COMM_STATS.snapshot(),
+            **MOE_TIMERS.snapshot(),
+            **self.runner.step_stats(),
+        }
 
     def reset_comm_stats(self) -> None:
         COMM_STATS.reset()
+        MOE_TIMERS.reset()
         self.runner.reset_step_stats()
 
     def shutdown(self) -> None:
