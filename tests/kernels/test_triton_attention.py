@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tessera.kernels.paged_attention_reference import (
+    TOLERANCE,
     Batch,
     make_batch,
     reference_attention,
@@ -20,10 +21,6 @@ from tests.kernels.triton_interpreter import interpreted_kernels
 __all__ = ["interpreted_kernels"]
 
 torch.set_num_threads(2)
-
-# Relative to the reference's largest |output|: fp32 to rounding, 16-bit to one rounding of p and
-# of the output (the reference reads the same 16-bit cache, so only the kernel's roundings differ).
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
 def check(

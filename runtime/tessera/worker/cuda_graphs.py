@@ -160,6 +160,7 @@ class DecodeGraphs:
         self.inputs = StaticDecodeInputs(sizes[-1], -(-max_model_len // block_size), device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # steps a graph ran (benchmarks/gpu_check.py reports it)
 
     def forward_on_inputs(self, size: int) -> torch.Tensor:
         """The model's forward over the static inputs' first ``size`` rows (what a graph records)."""
@@ -212,4 +213,5 @@ class DecodeGraphs:
         assert size is not None and md.num_decodes == count, "run() takes decode batches that fit()"
         self.inputs.load(size, input_ids, positions, md)
         self._graphs[size].replay()
+        self.replays += 1
         return self._outputs[size][:count]
