@@ -61,6 +61,16 @@ class EngineConfig(BaseModel):
         None,
         description='sampling defaults over the generation config, as JSON: {"temperature": 0.5}',
     )
+    enforce_eager: bool = Field(
+        False,
+        description="CUDA ranks: run every step eagerly, capturing no CUDA graphs for decode batches "
+        "(vLLM's flag)",
+    )
+    cuda_graph_sizes: list[int] | None = Field(
+        None,
+        description="the padded decode batch sizes captured as CUDA graphs (default: 1, 2, 4, then "
+        "multiples of 8 up to max_num_seqs, at most 512)",
+    )
     parallel: ParallelLayout = Field(default_factory=ParallelLayout)
     max_batches_in_flight: int | None = Field(
         None, ge=1, description="batches the engine keeps in flight (default: one per pipeline stage)"
@@ -87,6 +97,10 @@ class EngineConfig(BaseModel):
             and self.max_num_batched_tokens < self.max_model_len
         ):
             raise ValueError("max_num_batched_tokens must be >= max_model_len when chunked prefill is off")
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
+        ):
+            raise ValueError(f"cuda_graph_sizes {self.cuda_graph_sizes} must be batch sizes of 1 or more")
         if self.override_generation_config:
             parse_overrides(self.override_generation_config)
         return self

@@ -28,12 +28,14 @@ from tessera.sampling_params import SamplingParams
 from tessera.topology import Topology
 from tessera.wire.messages import PromptLogprobs, TokenLogprobs
 from tessera.wire.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tessera.worker.cuda_graphs import DecodeGraphs, capture_sizes, why_eager
 from tessera.worker.memory_profile import CudaMemory, DeviceMemory, KVCacheFacts, MemoryProfile
 from tessera.worker.sampler import Sampler, SamplerOutput, SamplingMetadata, logprobs_of
 
 logger = logging.getLogger(__name__)
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions scored per LM-head call
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -101,6 +103,8 @@ class ModelRunner:
         # Seeded generators of preempted requests, until they resume (or finish while waiting).
         self.paused_generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # Decode steps replay these once the cache exists (cuda_graphs.py); None: all eager.
+        self.decode_graphs: DecodeGraphs | None = None
         self._steps, self._step_seconds = 0, 0.0
         # GPU ranks measure what a profiled step leaves (memory_profile.py) for the sizing.
         self.memory: DeviceMemory | None = CudaMemory(device) if device.type == "cuda" else None
@@ -125,7 +129,7 @@ class ModelRunner:
     def begin_memory_profile(self, num_blocks: int) -> None:
         """A cache for the profile's batch alone; the step that follows is measured."""
         assert self.memory is not None
-        self.init_kv_cache(num_blocks)
+        self._allocate_kv_cache(num_blocks)
         self._profile_base = self.memory.allocated()
         self.memory.reset_peak()
 
@@ -167,7 +171,27 @@ class ModelRunner:
         )
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """A cache of the size the executor decided (kv_sizing.py), or the profile's."""
+        """The cache of the size the executor decided (kv_sizing.py); on a CUDA rank the decode
+        graphs are captured over it (they record its addresses)."""
+        self._allocate_kv_cache(num_blocks)
+        self.decode_graphs = None
+        reason = why_eager(self.config, self.device)
+        if reason is not None:
+            if self.device.type == "cuda":
+                logger.info("decode steps run eagerly: %s", reason)
+            return
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            capture_sizes(self.config),
+            self.max_model_len,
+            self.block_size,
+            self.device,
+        )
+        graphs.capture()
+        self.decode_graphs = graphs
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec
         shape = (2, num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
@@ -286,9 +310,15 @@ class ModelRunner:
         )
         if not batch:
             return ModelRunnerOutput(request_ids=[], sampled_token_ids=[], failed=dict(self.failed))
-        input_ids, positions, metadata = step_inputs(batch, self.block_size, self.device)
-        intermediate_tensors = None if receive is None else receive(int(positions.shape[0]))
-        hidden_states = self.model(input_ids, positions, self.kv_caches, metadata, intermediate_tensors)
+        graphs = self.decode_graphs
+        if graphs is not None and receive is None and graphs.fits(batch):
+            # The inputs stay on the host: the graph's static buffers take them in one copy.
+            input_ids, positions, metadata = step_inputs(batch, self.block_size, CPU)
+            hidden_states = graphs.run(input_ids, positions, metadata)
+        else:
+            input_ids, positions, metadata = step_inputs(batch, self.block_size, self.device)
+            intermediate_tensors = None if receive is None else receive(int(positions.shape[0]))
+            hidden_states = self.model(input_ids, positions, self.kv_caches, metadata, intermediate_tensors)
         if isinstance(hidden_states, IntermediateTensors):
             return hidden_states
 
@@ -304,6 +334,8 @@ class ModelRunner:
                 failed=dict(self.failed),
             )
         last_token_rows = torch.tensor([metadata.query_start_loc_list[row + 1] - 1 for row in sampled])
+        # The sampler stays outside the graphs: its parameters, generators and penalties vary per
+        # step and branch on the host, and a row that breaks sampling fails alone (_sample).
         logits = self.model.compute_logits(hidden_states[last_token_rows.to(self.device)])
         if not sample:
             return None

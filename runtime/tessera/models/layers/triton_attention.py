@@ -127,6 +127,10 @@ class TritonAttentionPlan:
         kernels.decode_attention(
             out, q, *common, self.num_decodes, self.max_decode_len, scale, sliding_window, softcap
         )
+        if self.num_decodes == len(self.query_start_loc_list) - 1:
+            # All decodes: no tile list to build (nor a host-to-device copy, which a CUDA graph
+            # capturing this forward must not contain).
+            return out
         head_dim = kv_cache.shape[-1]
         tiles = self.prefill_tiles(kernels.prefill_block_q(head_dim, num_heads // kv_cache.shape[3]))
         kernels.prefill_attention(out, q, *common, tiles, scale, sliding_window, softcap)
