@@ -92,7 +92,7 @@ class AsyncLLM:
         self.max_stream_backlog = max_stream_backlog
         self.model_dir = resolve_model(config.model)  # converts once here, so the core finds it cached
         # A model the engine cannot run fails here, naming the field, before any process starts.
-        check_model_folder(self.model_dir)
+        check_model_folder(self.model_dir, config.parallel)
         self.served_model_name = served_model_name or config.model
         # Load the tokenizer (slow imports) while the engine core process loads the model.
         with ThreadPoolExecutor(1) as pool:

@@ -32,7 +32,6 @@ class MixtralDecoderLayer(MoeDecoderLayer):
 
 class MixtralForCausalLM(MoeForCausalLM):
     decoder_layer_class = MixtralDecoderLayer
-    experts_field = "num_local_experts"
 
     def checkpoint_name(self, name: str) -> str:
         if ".block_sparse_moe." not in name:

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from tessera.models.checkpoint import CheckpointTensor
-from tessera.models.layers.moe import GroupedExperts, MoeSpec, SparseMoeBlock, check_expert_parallel
+from tessera.models.layers.moe import GroupedExperts, MoeSpec, SparseMoeBlock
 from tessera.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tessera.models.support import EXPERTS_FIELDS, check_expert_parallel
 from tessera.topology import SINGLE_RANK, RankPlacement
 
 EXPERT_TENSOR = re.compile(
@@ -44,10 +45,11 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
 class MoeForCausalLM(LlamaForCausalLM):
     decoder_layer_class: type[MoeDecoderLayer] = MoeDecoderLayer
-    experts_field = "num_experts"  # the config.json field an error about the experts names
 
     def __init__(self, config: Any, dtype: torch.dtype, placement: RankPlacement = SINGLE_RANK) -> None:
-        check_expert_parallel(self.decoder_layer_class.moe_spec(config), placement, self.experts_field)
+        if placement.shards_experts:  # before any weight is read
+            experts = self.decoder_layer_class.moe_spec(config).num_experts
+            check_expert_parallel(experts, placement.tp_size, EXPERTS_FIELDS[config.model_type])
         super().__init__(config, dtype, placement)
 
     def checkpoint_name(self, name: str) -> str:

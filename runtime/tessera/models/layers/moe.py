@@ -69,16 +69,6 @@ class MoeSpec:
     intermediate_field: str = "moe_intermediate_size"  # config.json's name for intermediate_size
 
 
-def check_expert_parallel(spec: MoeSpec, placement: RankPlacement, experts_field: str) -> None:
-    """Refuse, before any weight is read, experts that do not spread evenly over the TP ranks."""
-    if placement.shards_experts and spec.num_experts % placement.tp_size:
-        raise ValueError(
-            f"config.json {experts_field}={spec.num_experts} is not divisible by tensor_parallel_size="
-            f"{placement.tp_size}: --enable-expert-parallel places whole experts evenly on the TP ranks "
-            "(choose a TP size that divides the experts, or leave expert parallelism off)"
-        )
-
-
 class ReplicatedGate(nn.Module):
     """A small gate, whole on every rank. Plain F.linear on purpose, never repacked: a top-k choice
     at a near-tie flips with the summation order, and this [tokens, experts] product is a sliver
