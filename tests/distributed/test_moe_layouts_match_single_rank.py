@@ -16,20 +16,19 @@ from tests.fixtures.models import make_tiny_model_dir
 
 HIDDEN, EXPERTS, TP = 64, 8, 2
 OVERRIDES = {"num_experts": EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 32}
-# tp2+sp, tp2+pp2 and tp2+pp2+ep are left out: the layouts kept cover each path they take
-# (SP with TP-split experts: tp2+sp+ep shares its gathers and scatters; PP with EP: tp2+pp2+sp+ep),
-# and each layout costs some 10-15 s of rank processes on two cores.
-LAYOUTS: list[dict[str, Any]] = [
-    {"pipeline_parallel_size": 2},
-    {"tensor_parallel_size": TP},
-    {"tensor_parallel_size": TP, "enable_expert_parallel": True},
-    {"tensor_parallel_size": TP, "sequence_parallel": True, "enable_expert_parallel": True},
+# The whole matrix {tp 1, 2} x {pp 1, 2} x {sp off/on where tp > 1} x {ep off/on where tp > 1}
+# (tp 1 with EP is tp 1: every expert is local); each layout costs some 10-15 s of rank
+# processes on two cores.
+LAYOUTS: list[dict[str, Any]] = [{"pipeline_parallel_size": 2}] + [
     {
         "tensor_parallel_size": TP,
-        "pipeline_parallel_size": 2,
-        "sequence_parallel": True,
-        "enable_expert_parallel": True,
-    },
+        **({"pipeline_parallel_size": 2} if pp > 1 else {}),
+        **({"sequence_parallel": True} if sp else {}),
+        **({"enable_expert_parallel": True} if ep else {}),
+    }
+    for pp in (1, 2)
+    for sp in (False, True)
+    for ep in (False, True)
 ]
 # Six requests of 3-60 tokens over a 32-token budget (chunked prefill) and 10 blocks of 16
 # (preemption); few steps, since every step of a layout costs its rank processes' round trips.
