@@ -84,10 +84,21 @@ def pod_creation(data: dict[str, Any]) -> str:
 
 
 # The benchmarks outside the race: file stem's benchmark -> (the command, its headline).
+def moe_throughput(data: dict[str, Any]) -> str:
+    results = data["results"]
+    ratio = results["moe tp2-ep"]["output_tokens_per_s"] / results["moe tp2"]["output_tokens_per_s"]
+    over_dense = data["moe_over_dense"]
+    return (
+        f"MoE / dense of the same active parameters {over_dense['tp1']:.2f}x (tp 1), "
+        f"{over_dense['tp2']:.2f}x (tp 2); EP / TP-split experts at tp 2 {ratio:.2f}x"
+    )
+
+
 OTHERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "cluster_timings": ("sudo .venv/bin/python benchmarks/cluster_timings.py", cluster_timings),
     "distributed_throughput": (".venv/bin/python benchmarks/distributed_throughput.py", distributed),
     "operator_pod_creation": (".venv/bin/python benchmarks/operator_pod_creation.py", pod_creation),
+    "moe_throughput": (".venv/bin/python benchmarks/moe_throughput.py", moe_throughput),
 }
 
 
