@@ -25,7 +25,7 @@ from tessera.models.checkpoint import CheckpointTensor, materialize
 from tessera.models.layers.attention import Attention, AttentionPlan
 from tessera.models.layers.linear import GeluTanhGatedLinear, RowParallelLinear, copy_checked
 from tessera.models.layers.norm import HeadRMSNorm, RMSNorm
-from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
+from tessera.models.layers.rotary import RotaryEmbedding
 from tessera.models.llama import LlamaAttention, LlamaForCausalLM
 from tessera.models.rope_config import FULL, SLIDING, gemma3_rope_parameters
 from tessera.topology import SINGLE_RANK, RankPlacement
@@ -111,20 +111,6 @@ class Gemma3Attention(Gemma2Attention):
         super().__init__(config, layer, dtype, placement)
         self.q_norm = fold_unit_offset(HeadRMSNorm(self.head_dim, config.rms_norm_eps, dtype))
         self.k_norm = fold_unit_offset(HeadRMSNorm(self.head_dim, config.rms_norm_eps, dtype))
-
-    def forward(
-        self, hidden_states: torch.Tensor, rope: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan
-    ) -> torch.Tensor:
-        # As LlamaAttention, with each query and key head normed before it is rotated.
-        n = rope.shape[0]
-        qkv = self.qkv_proj(hidden_states)[:n]
-        heads = qkv.view(n, -1, self.head_dim)
-        self.q_norm.normalize_heads_(heads[:, : self.num_heads])
-        self.k_norm.normalize_heads_(heads[:, self.num_heads : self.num_heads + self.num_kv_heads])
-        apply_rotary_(heads[:, : self.num_heads + self.num_kv_heads], rope)
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        attended = self.attn(qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:], kv_cache, plan)
-        return self.o_proj(attended)
 
 
 class GemmaMLP(nn.Module):

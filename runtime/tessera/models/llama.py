@@ -20,7 +20,7 @@ from tessera.models.checkpoint import CheckpointTensor
 from tessera.models.layers.attention import Attention, AttentionMetadata, AttentionPlan, GatherWorkspace
 from tessera.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tessera.models.layers.linear import QKVParallelLinear, RowParallelLinear, SiluGatedLinear, copy_checked
-from tessera.models.layers.norm import RMSNorm
+from tessera.models.layers.norm import HeadRMSNorm, RMSNorm
 from tessera.models.layers.rotary import RotaryEmbedding, apply_rotary_
 from tessera.models.rope_config import context_length, rope_parameters
 from tessera.topology import SINGLE_RANK, RankPlacement
@@ -62,6 +62,9 @@ class PPMissingLayer(nn.Identity):
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer: int, dtype: torch.dtype, placement: RankPlacement) -> None:
         super().__init__()
+        # Families that norm each query and key head before RoPE (Qwen3, Gemma 3) set these.
+        self.q_norm: HeadRMSNorm | None = None
+        self.k_norm: HeadRMSNorm | None = None
         hidden = config.hidden_size
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -106,17 +109,10 @@ class LlamaAttention(nn.Module):
         # the TP size): attention runs on the real tokens only, the rows rope has.
         n = rope.shape[0]
         qkv = self.qkv_proj(hidden_states)[:n]
-        return self.attend(qkv, qkv.view(n, -1, self.head_dim), rope, kv_cache, plan)
-
-    def attend(
-        self,
-        qkv: torch.Tensor,
-        heads: torch.Tensor,
-        rope: torch.Tensor,
-        kv_cache: torch.Tensor,
-        plan: AttentionPlan,
-    ) -> torch.Tensor:
-        """Rotate, attend and project the fused ``qkv`` (``heads``: the same rows by head)."""
+        heads = qkv.view(n, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3, Gemma 3: each head normed
+            self.q_norm.normalize_heads_(heads[:, : self.num_heads])
+            self.k_norm.normalize_heads_(heads[:, self.num_heads : self.num_heads + self.num_kv_heads])
         # Q and K sit side by side in the fused output: rotate all their heads in one pass, in place.
         apply_rotary_(heads[:, : self.num_heads + self.num_kv_heads], rope)
         q_end, k_end = self.q_size, self.q_size + self.kv_size
