@@ -59,6 +59,7 @@ from tessera.entrypoints.serving_common import (
 )
 from tessera.entrypoints.serving_completions import create_completion
 from tessera.entrypoints.serving_tokenize import detokenize, tokenize
+from tessera.metrics import METRIC_PREFIXES
 from tessera.sampling_params import RequestRefused
 from tessera.version import __version__
 
@@ -325,7 +326,12 @@ def run_server(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, args.model)
     names = args.served_model_name or [args.model]
     limits = ServingLimits.from_args(args)
-    engine = AsyncLLM(config, served_model_name=names[0], max_stream_backlog=limits.max_stream_backlog)
+    engine = AsyncLLM(
+        config,
+        served_model_name=names[0],
+        max_stream_backlog=limits.max_stream_backlog,
+        metric_prefixes=METRIC_PREFIXES[args.metrics_prefix],
+    )
     if limits.max_tokenize_chars is not None:
         engine.processor.max_tokenize_chars = limits.max_tokenize_chars
     max_waiting = args.max_waiting_requests
