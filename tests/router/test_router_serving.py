@@ -30,7 +30,7 @@ PREFIX = (
     "Tensor parallelism splits each matrix across devices; pipeline parallelism splits the layers. "
     "Once upon a time, in a small village by the sea, there lived an old fisherman and his cat. "
 )
-LONG = {"max_tokens": 800, "ignore_eos": True, "temperature": 0.0}
+LONG: dict[str, Any] = {"max_tokens": 800, "ignore_eos": True, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -172,33 +172,38 @@ def test_a_leaders_4xx_is_forwarded_unchanged_and_a_large_body_is_refused(
     assert "--max-body-size" in large.json()["error"]["message"]
 
 
+def completion_text(client: openai.OpenAI, stream: bool) -> str:
+    if stream:
+        chunks = client.completions.create(
+            model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0.0, stream=True
+        )
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt="Once upon a time", max_tokens=12, temperature=0.0
+    )
+    return completion.choices[0].text
+
+
+def chat_text(client: openai.OpenAI, stream: bool) -> str:
+    messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    if stream:
+        chunks = client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0.0, stream=True
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0.0)
+    return chat.choices[0].message.content or ""
+
+
 def test_answers_through_the_router_equal_direct_ones(
     leaders: list[ServerProcess], router: RouterProcess
 ) -> None:
     direct, routed = client_of(leaders[0].base_url), client_of(router.base_url)
-    prompt, messages = "Once upon a time", [{"role": "user", "content": "What is the capital of France?"}]
     for stream in (False, True):
-        answers = []
-        for client in (direct, routed):
-            completion = client.completions.create(
-                model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0.0, stream=stream
-            )
-            chat = client.chat.completions.create(
-                model=MODEL_NAME,
-                messages=messages,
-                max_tokens=12,
-                temperature=0.0,
-                stream=stream,  # type: ignore[arg-type]
-            )
-            if stream:
-                text = "".join(c.choices[0].text for c in completion if c.choices)  # type: ignore[union-attr]
-                reply = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)  # type: ignore[union-attr]
-            else:
-                text, reply = completion.choices[0].text, chat.choices[0].message.content  # type: ignore[union-attr]
-            answers.append((text, reply))
-        assert answers[0] == answers[1] and answers[0][0], answers
-    models = routed.models.list()
-    assert [m.id for m in models.data] == [MODEL_NAME]
+        for answer in (completion_text, chat_text):
+            expected = answer(direct, stream)
+            assert expected and answer(routed, stream) == expected, (answer.__name__, stream)
+    assert [m.id for m in routed.models.list().data] == [MODEL_NAME]
 
 
 def test_a_shared_prefix_sticks_to_one_leader_and_a_new_prefix_goes_to_the_idle_one(
@@ -240,7 +245,7 @@ def stream_to_the_end(router: RouterProcess, prompt: str, started: threading.Eve
         prompt=prompt,
         stream=True,
         stream_options={"include_usage": True},
-        max_tokens=LONG["max_tokens"],
+        max_tokens=int(LONG["max_tokens"]),
         temperature=0.0,
         extra_body={"ignore_eos": True},
     )
