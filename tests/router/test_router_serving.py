@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from tessera.router.prompt_hashes import CHAT, COMPLETIONS, PromptHasher
 from tests.router.router_process import RouterProcess
 from tests.serving.server import MODEL_NAME, ServerProcess, metric_value
 
@@ -107,13 +108,22 @@ def sent_to(router: RouterProcess, server: ServerProcess) -> float:
     return router_metric(router, "tessera_router_requests_total", f'endpoint="{server.base_url}"')
 
 
-def prefix_hits(server: ServerProcess) -> float:
+def leader_metric(server: ServerProcess, name: str, labels: str = "") -> float:
+    """A leader's series under either prefix (the second leader exports vLLM's names)."""
     page = httpx.get(f"{server.base_url}/metrics").text
     for prefix in ("tessera:", "vllm:"):
-        value = metric_value(page, f"{prefix}prefix_cache_hits_total")
+        value = metric_value(page, prefix + name, labels)
         if value is not None:
             return value
-    raise AssertionError(f"{server.base_url}/metrics has no prefix_cache_hits_total")
+    raise AssertionError(f"{server.base_url}/metrics has no {name}")
+
+
+def prefix_hits(server: ServerProcess) -> float:
+    return leader_metric(server, "prefix_cache_hits_total")
+
+
+def aborted(server: ServerProcess) -> float:
+    return leader_metric(server, "request_success_total", 'finished_reason="abort"')
 
 
 def client_of(base_url: str) -> openai.OpenAI:
@@ -206,6 +216,21 @@ def test_answers_through_the_router_equal_direct_ones(
     assert [m.id for m in routed.models.list().data] == [MODEL_NAME]
 
 
+def test_the_router_tokenizes_prompts_as_the_leader_does(
+    tiny_llama_dir: Path, leaders: list[ServerProcess]
+) -> None:
+    """Its token ids are the leader's own (its /tokenize), so its hashes are the engine's."""
+    hasher = PromptHasher(str(tiny_llama_dir), block_size=16)
+    messages = [{"role": "system", "content": PREFIX}, {"role": "user", "content": "Why?"}]
+    for path, body, tokenize_body in (
+        (COMPLETIONS, {"model": MODEL_NAME, "prompt": PREFIX}, {"model": MODEL_NAME, "prompt": PREFIX}),
+        (CHAT, {"model": MODEL_NAME, "messages": messages}, {"model": MODEL_NAME, "messages": messages}),
+    ):
+        leader = httpx.post(f"{leaders[0].base_url}/tokenize", json=tokenize_body).json()["tokens"]
+        assert hasher.prompt_token_ids(path, body) == leader
+    assert hasher.prompt_token_ids(CHAT, {"model": MODEL_NAME, "messages": []}) is None  # the leader's 400
+
+
 def test_a_shared_prefix_sticks_to_one_leader_and_a_new_prefix_goes_to_the_idle_one(
     leaders: list[ServerProcess], router: RouterProcess
 ) -> None:
@@ -225,6 +250,7 @@ def test_a_shared_prefix_sticks_to_one_leader_and_a_new_prefix_goes_to_the_idle_
     holder_url = leaders[holder].base_url
     body = {"model": MODEL_NAME, "prompt": f"{PREFIX}And then?", "stream": True, **LONG}
     readers: list[Iterator[str]] = []
+    aborted_before = aborted(leaders[holder])
     with httpx.Client(timeout=60) as http, contextlib.ExitStack() as streams:
         for _ in range(3):
             response = streams.enter_context(
@@ -237,6 +263,25 @@ def test_a_shared_prefix_sticks_to_one_leader_and_a_new_prefix_goes_to_the_idle_
         assert inflight == 3  # the premise: all three still open at the holder
         other, _ = which_leader(router, leaders, "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000, and punctuation")
         assert other == 1 - holder
+    # The clients left: the router closed its leader connections, so the leader aborted the three.
+    wait_for(lambda: aborted(leaders[holder]) - aborted_before == 3, "aborted at the leader")
+
+
+def test_chats_sharing_a_system_prompt_stick_to_one_leader(
+    leaders: list[ServerProcess], router: RouterProcess
+) -> None:
+    """The chat path: the router renders the template and tokenizes as the server does, or the
+    hashes would differ from the engine's and the leader would count no hits."""
+    client = client_of(router.base_url)
+    sent_before = [sent_to(router, s) for s in leaders]
+    hits_before = [prefix_hits(s) for s in leaders]
+    for i in range(4):
+        messages: Any = [{"role": "system", "content": PREFIX}, {"role": "user", "content": f"Question {i}?"}]
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0.0)
+    sent = [sent_to(router, s) - b for s, b in zip(leaders, sent_before, strict=True)]
+    assert sorted(sent) == [0, 4], sent
+    holder = sent.index(4)
+    wait_for(lambda: prefix_hits(leaders[holder]) - hits_before[holder] >= 3 * 16, "hits counted", 10)
 
 
 def stream_to_the_end(router: RouterProcess, prompt: str, started: threading.Event) -> tuple[str, int]:

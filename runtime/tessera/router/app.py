@@ -147,11 +147,16 @@ class Router:
         """To the best Ready endpoint; one that refuses the connection is marked down and the
         next best tried (the request never reached it, so nothing runs twice)."""
         unreachable: set[str] = set()
+        arrived_at_zero = False
         while True:
             decision = self.state.pick(hashes, session, exclude=unreachable)
             if decision is None:
                 if unreachable:
-                    return self._unavailable(f"no endpoint could be reached ({len(unreachable)} tried)", None)
+                    message = f"no endpoint could be reached ({len(unreachable)} tried); retry later"
+                    return self._unavailable(message, "unreachable")
+                if not arrived_at_zero:
+                    self.metrics.at_zero.inc()
+                    arrived_at_zero = True
                 waited = await self._wait_for_endpoint()
                 if isinstance(waited, web.Response):
                     return waited
@@ -165,7 +170,6 @@ class Router:
 
     async def _wait_for_endpoint(self) -> web.Response | None:
         """None once an endpoint is Ready; else the 503 (no hold, the hold full, its timeout)."""
-        self.metrics.at_zero.inc()
         hold = self.hold
         if hold.held >= hold.max_held:
             reason = "no_endpoint" if hold.max_held == 0 else "hold_full"
@@ -176,9 +180,8 @@ class Router:
             f"no endpoint became ready within {hold.timeout_s:g} s; retry later", "hold_timeout"
         )
 
-    def _unavailable(self, message: str, reason: str | None) -> web.Response:
-        if reason is not None:
-            self.metrics.unavailable.labels(reason).inc()
+    def _unavailable(self, message: str, reason: str) -> web.Response:
+        self.metrics.unavailable.labels(reason).inc()
         headers = {"Retry-After": str(self.settings.retry_after_s)}
         return error_json(message, HTTPStatus.SERVICE_UNAVAILABLE, headers)
 

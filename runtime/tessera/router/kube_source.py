@@ -78,14 +78,16 @@ class KubernetesEndpointSource:
 
     def _follow(self, publish: Publish) -> None:
         """List, publish, watch and publish each change; again from a list after any error."""
-        api = self._core_api if self._core_api is not None else load_core_api()
-        if self._watch_factory is None:
-            from kubernetes import watch
-
-            self._watch_factory = watch.Watch
+        api = self._core_api
         published: frozenset[str] | None = None
         while not self._stop.is_set():
             try:
+                if api is None:  # in the loop: a missing config is logged and tried again
+                    api = load_core_api()
+                if self._watch_factory is None:
+                    from kubernetes import watch
+
+                    self._watch_factory = watch.Watch
                 listing = api.list_namespaced_pod(self.namespace, label_selector=self.selector)
                 pods = {pod.metadata.name: pod_endpoint(pod, self.port) for pod in listing.items}
                 published = self._publish_changed(pods, published, publish)

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from tessera.router.scorer import REASONS
 
 PREFIX = "tessera_router_"
-UNAVAILABLE_REASONS = ("no_endpoint", "hold_full", "hold_timeout")
+UNAVAILABLE_REASONS = ("no_endpoint", "hold_full", "hold_timeout", "unreachable")
 UPSTREAM_ERROR_KINDS = ("connect", "midstream", "response")
 
 

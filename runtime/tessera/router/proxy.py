@@ -1,5 +1,5 @@
 """Forwarding one request to one endpoint and its answer back, unchanged: status, headers and
-body (an SSE stream passed on chunk by chunk as it arrives). A stream the endpoint cuts short
+body (an SSE stream passed on event by event as it arrives). A stream the endpoint cuts short
 ends with an error event in the server's own form, then [DONE]."""
 
 from __future__ import annotations

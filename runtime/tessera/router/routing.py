@@ -3,7 +3,6 @@ index and the session map; `pick` runs the scorer over the Ready endpoints."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Collection
 
 from tessera.router.hold import HoldRoom
@@ -12,8 +11,6 @@ from tessera.router.lru import BoundedLRU
 from tessera.router.metrics import RouterMetrics
 from tessera.router.prefix_index import PrefixIndex
 from tessera.router.scorer import Decision, EndpointLoad, ScoreWeights, choose
-
-logger = logging.getLogger("tessera.router")
 
 
 class RoutingState:
