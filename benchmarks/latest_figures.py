@@ -83,6 +83,14 @@ def pod_creation(data: dict[str, Any]) -> str:
     )
 
 
+def router_throughput(data: dict[str, Any]) -> str:
+    scenarios = data["scenarios"]
+    return (
+        f"{data['requests_per_router_core_prefix']:.0f} requests per router CPU-second with prefix scoring, "
+        f"{scenarios['load_only']['requests_per_router_cpu_s']:.0f} without (fast stub upstream)"
+    )
+
+
 # The benchmarks outside the race: file stem's benchmark -> (the command, its headline).
 def moe_throughput(data: dict[str, Any]) -> str:
     results = data["results"]
@@ -99,6 +107,7 @@ OTHERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "distributed_throughput": (".venv/bin/python benchmarks/distributed_throughput.py", distributed),
     "operator_pod_creation": (".venv/bin/python benchmarks/operator_pod_creation.py", pod_creation),
     "moe_throughput": (".venv/bin/python benchmarks/moe_throughput.py", moe_throughput),
+    "router_throughput": (".venv/bin/python benchmarks/router_throughput.py", router_throughput),
 }
 
 

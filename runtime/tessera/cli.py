@@ -1,4 +1,4 @@
-"""``tessera`` command line: generate | serve | bench | kernels | worker (a rank process of a layout).
+"""``tessera`` command line: generate | serve | bench | router | kernels | worker (a rank process of a layout).
 
 Each subcommand's module registers its own flags; this file only wires them.
 """
@@ -82,6 +82,7 @@ def _optional_subcommands() -> list[Callable[[argparse._SubParsersAction], None]
     for module_name in (
         "tessera.entrypoints.serve_command",
         "tessera.bench.cli",
+        "tessera.router.cli",
         "tessera.worker.worker_proc",
     ):
         try:

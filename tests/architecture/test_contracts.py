@@ -67,8 +67,8 @@ def not_python(folder: str, names: list[str]) -> list[str]:
         ),
         pytest.param(
             "runtime-layers",
-            {"router.py": '"""A module in no layer."""\n'},
-            "- tessera.router",
+            {"unplaced.py": '"""A module in no layer."""\n'},
+            "- tessera.unplaced",
             id="module-in-no-layer",
         ),
         pytest.param(

@@ -35,6 +35,7 @@ from tessera.engine.core_client import AsyncMPClient, EngineDeadError
 from tessera.engine.output_processor import FINISH_ERROR, OutputProcessor, RequestOutputKind
 from tessera.engine.processor import InputProcessor, load_tokenizer
 from tessera.engine.token_bytes import TokenBytes
+from tessera.metrics import PREFIX as METRIC_PREFIX
 from tessera.metrics import EngineMetrics
 from tessera.models.registry import resolve_model
 from tessera.models.support import check_model_folder
@@ -87,6 +88,7 @@ class AsyncLLM:
         served_model_name: str | None = None,
         engine_core_cls: type | None = None,
         max_stream_backlog: int = DEFAULT_MAX_STREAM_BACKLOG,
+        metric_prefixes: tuple[str, ...] = (METRIC_PREFIX,),
     ) -> None:
         self.config = config
         self.max_stream_backlog = max_stream_backlog
@@ -118,7 +120,7 @@ class AsyncLLM:
         self._long_text_processor: InputProcessor | None = None
         self._long_text_jobs = 0
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = EngineMetrics(self.served_model_name)
+        self.metrics = EngineMetrics(self.served_model_name, prefixes=metric_prefixes)
         self.last_stats = SchedulerStats()
         self.dead_error: EngineDeadError | None = None
         self._streams: dict[str, _Stream] = {}

@@ -25,6 +25,32 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **kwargs: Any,
+) -> str:
+    """The conversation as the model's chat template renders it (the server's and the router's)."""
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template")
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    assert isinstance(text, str)
+    return text
+
+
+def encode_text(
+    tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True, param: str = "prompt"
+) -> list[int]:
+    """Token ids of any text, as the server tokenizes a prompt (the router hashes the same ids)."""
+    try:
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    except (UnicodeError, TypeError) as exc:  # e.g. a lone UTF-16 surrogate
+        raise InvalidParameterError(param, f"{param} is not valid Unicode text") from exc
+
+
 # OpenAI's error code for a prompt (and completion) longer than the model's context.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
@@ -99,13 +125,7 @@ class InputProcessor:
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
-        if not self.tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-        assert isinstance(text, str)
-        return text
+        return render_chat(self.tokenizer, messages, add_generation_prompt, **kwargs)
 
     def tokenize(
         self,
@@ -154,10 +174,7 @@ class InputProcessor:
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Token ids of any text, whatever its length (/tokenize counts what may not fit)."""
-        try:
-            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-        except (UnicodeError, TypeError) as exc:  # e.g. a lone UTF-16 surrogate
-            raise InvalidParameterError(param, f"{param} is not valid Unicode text") from exc
+        return encode_text(self.tokenizer, text, add_special_tokens, param)
 
     def _too_long_message(self, num_tokens: int, param: str) -> str:
         if self.max_prompt_len < self.max_model_len - 1:

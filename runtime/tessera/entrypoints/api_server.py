@@ -59,6 +59,7 @@ from tessera.entrypoints.serving_common import (
 )
 from tessera.entrypoints.serving_completions import create_completion
 from tessera.entrypoints.serving_tokenize import detokenize, tokenize
+from tessera.metrics import METRIC_PREFIXES
 from tessera.models.hf_config import UnsupportedModelError
 from tessera.sampling_params import RequestRefused
 from tessera.version import __version__
@@ -327,7 +328,12 @@ def run_server(args: argparse.Namespace) -> int:
     names = args.served_model_name or [args.model]
     limits = ServingLimits.from_args(args)
     try:
-        engine = AsyncLLM(config, served_model_name=names[0], max_stream_backlog=limits.max_stream_backlog)
+        engine = AsyncLLM(
+            config,
+            served_model_name=names[0],
+            max_stream_backlog=limits.max_stream_backlog,
+            metric_prefixes=METRIC_PREFIXES[args.metrics_prefix],
+        )
     except UnsupportedModelError as exc:  # the message names the field; a traceback adds nothing
         logger.error("cannot serve %s: %s", args.model, exc)
         return 2

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from tessera.engine.arg_utils import add_engine_args, parse_size
 from tessera.entrypoints.limits import add_limit_args
+from tessera.metrics import METRIC_PREFIXES
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "many waiting for the engine; a request is always admitted when none wait (default: 4 x the "
         "sequences the KV cache holds at full context length, num_kv_blocks x block_size / max_model_len, "
         "or 4 x --max-num-seqs when that is more)",
+    )
+    parser.add_argument(
+        "--metrics-prefix",
+        choices=sorted(METRIC_PREFIXES),
+        default="tessera",
+        help="the name prefix of /metrics' series: tessera (tessera:num_requests_waiting, ...), vllm "
+        "(vllm:num_requests_waiting, ...: what dashboards, KEDA triggers and llm-d's endpoint picker "
+        "written for vLLM read), or both (each series under both names) (default: tessera)",
     )
     add_http_args(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
