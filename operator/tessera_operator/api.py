@@ -33,6 +33,7 @@ MAX_REPLICAS = 256
 MAX_LIST_ITEMS = 64  # volumes, mounts, tolerations, labels, ...: copied into every pod
 MAX_ENV = 256
 MAX_ENV_VALUE = 32 * 1024
+MAX_ROUTER_REPLICAS = 64
 MAX_TOKENS = 2**24  # context lengths and token budgets
 MAX_DELAY_SECONDS = 7 * 24 * 3600  # restart delays: beyond this a timestamp is meaningless
 # Leading '-' would turn a model name into a command-line flag of `tessera serve`.
@@ -311,6 +312,39 @@ class RolloutSpec(Wire):
     )
 
 
+class RouterSpec(Wire):
+    """`tessera router` in front of the group leaders (docs/router.md): a Deployment the client
+    Service selects, scoring leaders by load and session affinity, holding requests at zero."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Run the router and point the client Service at it; off: the Service selects the "
+        "Ready leaders (round robin).",
+    )
+    replicas: int = Field(default=1, ge=1, le=MAX_ROUTER_REPLICAS, description="Router pods.")
+    resources: dict[str, Any] | None = free_form("Container resources (requests, limits) of the router.")
+    hold_seconds: float = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="With no leader Ready (scaled to zero, a rollout), a request waits this long for one "
+        "(tessera router --hold-timeout), then gets 503 + Retry-After.",
+    )
+    max_held_requests: int = Field(
+        default=256,
+        ge=0,
+        le=1_000_000,
+        description="Requests held at once with no leader Ready (tessera router --hold-max; 0: a 503 at once).",
+    )
+    inference_pool: bool = Field(
+        default=False,
+        description="Also keep an InferencePool (inference.networking.k8s.io/v1) of the leaders for a "
+        "Gateway API inference extension; skipped, with a Warning Event, where its CRD is not installed.",
+    )
+
+    _bounded = field_validator("resources", mode="before")(bounded)
+
+
 class RestartPolicySpec(Wire):
     """Whole-group restart after any rank fails, with exponential backoff per group."""
 
@@ -416,6 +450,7 @@ class InferenceClusterSpec(Wire):
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="NetworkPolicies the operator keeps for the cluster."
     )
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the leaders.")
 
     @property
     def pods_per_stage(self) -> int:

@@ -538,14 +538,16 @@ def build_headless_service(ref: ClusterRef) -> dict[str, Any]:
     )
 
 
-def build_client_service(ref: ClusterRef) -> dict[str, Any]:
-    """What clients call: the OpenAI API of every Ready leader (a Service only routes to ready pods)."""
+def build_client_service(ref: ClusterRef, router: bool = False) -> dict[str, Any]:
+    """What clients call: the OpenAI API of the router pods (`router`: spec.router.enabled), else of
+    every Ready leader (a Service only routes to ready pods)."""
+    selector = naming.router_selector(ref.name) if router else naming.rank_leader_selector(ref.name)
     return _service(
         ref,
         naming.client_service_name(ref.name),
         {
             "type": "ClusterIP",
-            "selector": naming.rank_leader_selector(ref.name),
+            "selector": selector,
             "ports": [{"name": "http", "port": DEFAULT_API_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     )
@@ -649,6 +651,9 @@ def build_network_policies(ref: ClusterRef, spec: InferenceClusterSpec) -> list[
     if not client:  # neither: the cluster's own namespace
         client["podSelector"] = {}
     operator = {"namespaceSelector": {"matchLabels": dict(OPERATOR_NAMESPACE_LABELS)}}
+    callers = [client, operator]
+    if spec.router.enabled:  # the router's pods, in the cluster's namespace (no policy selects them)
+        callers.append({"podSelector": {"matchLabels": naming.router_selector(ref.name)}})
 
     def policy(name: str, selector: dict[str, Any], ingress: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -664,6 +669,6 @@ def build_network_policies(ref: ClusterRef, spec: InferenceClusterSpec) -> list[
         policy(
             clients_name,
             {"matchLabels": naming.rank_leader_selector(ref.name)},
-            [{"from": [client, operator], "ports": [{"port": DEFAULT_API_PORT, "protocol": "TCP"}]}],
+            [{"from": callers, "ports": [{"port": DEFAULT_API_PORT, "protocol": "TCP"}]}],
         ),
     ]

@@ -97,3 +97,17 @@ def rank_leader_selector(cluster: str) -> dict[str, str]:
 def network_policy_names(cluster: str) -> tuple[str, str]:
     """(rank-to-rank, clients-to-leaders) NetworkPolicies of `spec.networkPolicy`."""
     return f"{cluster}-ranks", f"{cluster}-clients"
+
+
+# The router's pods carry this label (its value: the cluster), not the cluster label: the rank
+# selectors, the pod listing of a pass and the budget never count them as ranks.
+ROUTER_LABEL = "tessera.dev/router"
+
+
+def router_name(cluster: str) -> str:
+    """The router's Deployment, ServiceAccount, Role and RoleBinding (spec.router)."""
+    return f"{cluster}-router"
+
+
+def router_selector(cluster: str) -> dict[str, str]:
+    return {ROUTER_LABEL: cluster, **MANAGED_BY}

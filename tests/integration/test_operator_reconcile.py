@@ -71,9 +71,8 @@ def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_na
         services = services_by_name()
         assert services["smollm2-ranks"]["spec"]["clusterIP"] == "None"
         assert services["smollm2-ranks"]["spec"]["publishNotReadyAddresses"] is True
-        assert services["smollm2"]["spec"]["selector"] == {
-            "tessera.dev/cluster": "smollm2",
-            "tessera.dev/role": "leader",
+        assert services["smollm2"]["spec"]["selector"] == {  # the router's pods (spec.router)
+            "tessera.dev/router": "smollm2",
             "app.kubernetes.io/managed-by": "tessera-operator",
         }
 
@@ -312,11 +311,19 @@ def test_deleting_the_cluster_garbage_collects_everything(crds: Any, k8s_namespa
     with running_operator(cluster, ns):
         apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
         wait_for(lambda: len(pod_names(cluster, ns)) == 12, "12 pods")
+        router = ("deployment,serviceaccount,role,rolebinding", "-n", ns, "-l", "tessera.dev/router=smollm2")
+        # The router's objects, made under the chart's RBAC (the Role's rights are the operator's own).
+        wait_for(lambda: len(kjson(cluster, "get", *router)["items"]) == 4, "the router's objects")
+        role = kjson(cluster, "get", "role", "smollm2-router", "-n", ns)
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
         cluster.kubectl("delete", "ic", "smollm2", "-n", ns)
         wait_for(lambda: not pod_names(cluster, ns), "pods collected", timeout=60)
         wait_for(
             lambda: not kjson(cluster, "get", "svc", "-n", ns, "-l", "tessera.dev/cluster")["items"],
             "services collected",
+        )
+        wait_for(
+            lambda: not kjson(cluster, "get", *router)["items"], "the router's objects collected", timeout=60
         )
 
 

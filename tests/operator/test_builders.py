@@ -518,7 +518,9 @@ def test_services_select_rank_pods_by_labels_only_the_operator_sets() -> None:
 
 def test_network_policies_only_when_enabled_and_select_by_operator_only_labels() -> None:
     assert builders.build_network_policies(REF, spec_of()) == []
-    spec = spec_of(networkPolicy={"enabled": True, "clientNamespaceSelector": {"team": "a"}})
+    spec = spec_of(
+        networkPolicy={"enabled": True, "clientNamespaceSelector": {"team": "a"}}, router={"enabled": False}
+    )
     ranks, clients = builders.build_network_policies(REF, spec)
     managed = {"app.kubernetes.io/managed-by": "tessera-operator"}
     assert ranks["metadata"]["name"] == "demo-ranks" and clients["metadata"]["name"] == "demo-clients"

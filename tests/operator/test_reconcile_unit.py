@@ -157,8 +157,8 @@ async def test_drifted_service_is_repaired_and_invalid_spec_is_reported_not_acte
     client.objects["/api/v1/namespaces/ns/services/demo"]["spec"]["selector"] = {"x": "y"}
     await reconciler.reconcile("ns", "demo")
     assert (
-        client.objects["/api/v1/namespaces/ns/services/demo"]["spec"]["selector"]["tessera.dev/role"]
-        == "leader"
+        client.objects["/api/v1/namespaces/ns/services/demo"]["spec"]["selector"]["tessera.dev/router"]
+        == "demo"  # the router's pods (spec.router is on by default)
     )
 
     bad = fake_with_cluster(parallelism={"tensor": 1, "pipeline": 2, "sequenceParallel": True})

@@ -312,7 +312,7 @@ class Reconciler:
             for pod in builders.build_group(ref, spec, revision, index)
             if pod["metadata"]["name"] not in existing
         ]
-        services = plan_services(ref, seen.services)
+        services = plan_services(ref, seen.services, spec.router.enabled)
         return Planned(spec, revision, observation, decision, status, to_create, services)
 
     # -- scale (a plan step with a write of its own: spec.replicas) ----------------------------
@@ -403,6 +403,7 @@ class Reconciler:
             self.writes.services(ref, planned.services),
             self.writes.disruption_budget(ref, planned.spec, decision.surge),
             self.writes.network_policies(ref, planned.spec),
+            self.writes.router(ref, planned.spec),
             *(self.writes.delete_pod(ref.namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
         ])  # fmt: skip
         log.debug(

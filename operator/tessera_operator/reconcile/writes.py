@@ -24,6 +24,7 @@ from tessera_operator.reconcile.owned_plans import (
     plan_budget,
     repaired_service,
 )
+from tessera_operator.reconcile.router_writes import NotOurs, write_router
 from tessera_operator.reconcile.status import merge_patch
 
 log = logging.getLogger("tessera_operator.reconcile.writes")
@@ -251,3 +252,13 @@ class Writes:
         elif have.get("spec") != want["spec"]:  # a PUT: a merge patch would keep stale labels
             body = {**have, "spec": want["spec"]}  # its resourceVersion: 409 if changed meanwhile
             await self.client.request("PUT", f"{path}/{name}", body=body)
+
+    async def router(self, ref: ClusterRef, spec: InferenceClusterSpec) -> None:
+        """The router's Deployment, ServiceAccount, Role and RoleBinding (spec.router), or none."""
+        try:
+            await write_router(self.client, ref, spec)
+        except NotOurs as exc:
+            raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
+        except ApiError as exc:
+            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
+                raise refusal(FAILED_CREATE, "updating the router", exc) from exc
