@@ -310,6 +310,14 @@ class RolloutSpec(Wire):
         "pulled), or that keeps failing this long without a Ready run, makes the cluster Stalled, "
         "reason ProgressDeadlineExceeded: GitOps tools stop waiting.",
     )
+    drain_seconds: int = Field(
+        default=20,
+        ge=0,
+        le=3600,
+        description="A deleted group's leader (rollout, scale-in) answers what it has open, for at "
+        "most this long, before it stops (its preStop hook, tessera drain); its pods' "
+        "terminationGracePeriodSeconds is this + 10. Groups made after a change get it.",
+    )
 
 
 class RouterSpec(Wire):

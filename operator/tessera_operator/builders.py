@@ -48,13 +48,18 @@ GROUP_SECRET_MODE = 0o400
 # Fields whose change alters pods (and so starts a rolling update); replicas, rollout,
 # restartPolicy and autoscaling do not.
 POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement")
-# A deleted leader keeps accepting this long before its SIGTERM: until then its Endpoints still
-# list it (the endpoints controller, then kube-proxy, take a moment to drop a terminating pod), and
-# a leader that stopped listening at once would refuse the connections still sent to it.
+# A deleted leader keeps accepting at least this long before its SIGTERM: until then the router
+# (which drops a pod marked leaving or deleted as its watch sees it) or the Service's Endpoints
+# (the endpoints controller, then kube-proxy, take a moment to drop a terminating pod) may still
+# send it requests, and a leader that stopped listening at once would refuse them.
 LEADER_DEREGISTER_SECONDS = 5
-# The leader's deregistration, then its graceful shutdown (5 s in the API server); shorter than
-# the pod's grace.
-WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + 8
+# After its leader's drain, a worker lingers through the leader's graceful shutdown (5 s in the
+# API server) computing for it.
+WORKER_LINGER_SECONDS = 8
+WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + WORKER_LINGER_SECONDS  # a worker's least stay
+# The pod's grace beyond rollout.drainSeconds: the leader's shutdown after its drain (a worker's
+# linger fits in it too).
+SHUTDOWN_SECONDS = 10
 # Variables the operator owns in every rank pod; the user's env must not shadow them. The
 # layout's count even where a default layout leaves them out (a layer partition, experts).
 RESERVED_ENV = (
@@ -431,12 +436,7 @@ def rank_container(
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    # When a group is deleted (rollout, scale-in) every pod is told at once: the leader serves
-    # on until no Service sends it new connections, then finishes its in-flight requests
-    # (uvicorn's graceful shutdown) while the workers keep computing for them, instead of
-    # failing them by exiting first.
-    drain = LEADER_DEREGISTER_SECONDS if leader else WORKER_DRAIN_SECONDS
-    container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(drain)]}}}
+    container["lifecycle"] = {"preStop": {"exec": {"command": drain_command(spec, topology)}}}
     if leader:
         ports.append({"name": "http", "containerPort": topology.api_port, "protocol": "TCP"})
         # The runtime answers /health only after rendezvous and a warm-up forward pass: this probe
@@ -448,6 +448,20 @@ def rank_container(
             "timeoutSeconds": 3,
         }
     return container
+
+
+def drain_command(spec: InferenceClusterSpec, topology: Topology) -> list[str]:
+    """The preStop hook. When a group is deleted (rollout, scale-in) every pod is told at once: the
+    leader serves on until the router (the pod is marked leaving) or the Service sends it nothing
+    new, and until the requests it has are answered (`tessera drain`, polling its own count, at
+    most rollout.drainSeconds); the workers wait for the same, then for its shutdown, computing
+    for it rather than failing its requests by exiting first."""
+    url = f"http://{'127.0.0.1' if topology.is_leader else topology.leader_addr}:{topology.api_port}"
+    command = ["tessera", "drain", "--url", url, "--min-seconds", str(LEADER_DEREGISTER_SECONDS)]
+    command += ["--timeout", str(spec.rollout.drain_seconds)]
+    if not topology.is_leader:
+        command += ["--linger", str(WORKER_LINGER_SECONDS)]
+    return command
 
 
 def rank_pod_spec(
@@ -468,7 +482,8 @@ def rank_pod_spec(
         # Ranks never call the Kubernetes API: no token in the pod (the spec cannot ask for one
         # either: its ServiceAccount and projected tokens pass the operator's pod policy).
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 30,
+        # 30 with the default drain, as before rollout.drainSeconds.
+        "terminationGracePeriodSeconds": spec.rollout.drain_seconds + SHUTDOWN_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUNTIME_UID,

@@ -11,6 +11,9 @@ STAGE_LABEL = "tessera.dev/stage"
 TP_RANK_LABEL = "tessera.dev/tp-rank"
 ROLE_LABEL = "tessera.dev/role"
 REVISION_LABEL = "tessera.dev/revision"
+# On a leader the operator is about to delete: the router sends it nothing new (its preStop
+# hook, `tessera drain`, then waits for what it has). runtime/tessera/router/labels.py copies it.
+LEAVING_LABEL = "tessera.dev/leaving"
 GROUP_SIZE_ANNOTATION = "tessera.dev/group-size"  # pods in the group, on each of its pods
 MANAGED_BY = {"app.kubernetes.io/managed-by": "tessera-operator"}
 LEADER, WORKER = "leader", "worker"

@@ -932,3 +932,15 @@ def test_api_answers_decode_however_deep_the_api_server_stores_them_and_kopf_too
     import aiohttp
 
     assert getattr(aiohttp.ClientResponse.json, "_tessera", False)  # kopf's lists
+
+
+async def test_a_leader_is_marked_leaving_before_it_is_deleted() -> None:
+    client = fake_with_cluster(replicas=2)
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    client.objects[IC_PATH]["spec"]["replicas"] = 1  # scale-in: group 1 goes
+    client.calls.clear()
+    await reconciler.reconcile("ns", "demo")
+    leader, worker = "/api/v1/namespaces/ns/pods/demo-g1-s0-t0", "/api/v1/namespaces/ns/pods/demo-g1-s1-t1"
+    assert [c for c in client.calls if c[1] == leader] == [("PATCH", leader), ("DELETE", leader)]
+    assert [c for c in client.calls if c[1] == worker] == [("DELETE", worker)]

@@ -64,10 +64,7 @@ class GroupObservation:
 
     @property
     def leader(self) -> dict[str, Any] | None:
-        for pod in self.pods.values():
-            if pod["metadata"]["labels"].get(naming.ROLE_LABEL) == naming.LEADER:
-                return pod
-        return None
+        return next((pod for pod in self.pods.values() if is_leader(pod)), None)
 
     @property
     def leader_ready(self) -> bool:
@@ -169,6 +166,10 @@ class Observation:
 def running_revisions(pods: Iterable[dict[str, Any]]) -> set[str]:
     """The revisions the pods are labelled with."""
     return {p["metadata"].get("labels", {}).get(naming.REVISION_LABEL, "") for p in pods}
+
+
+def is_leader(pod: dict[str, Any]) -> bool:
+    return bool((pod["metadata"].get("labels") or {}).get(naming.ROLE_LABEL) == naming.LEADER)
 
 
 def controlled_by(pod: dict[str, Any], uid: str) -> bool:

@@ -33,7 +33,13 @@ from tessera_operator.config import PodPolicy
 from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import ApiError, KubeClient, core_path, custom_path
 from tessera_operator.reconcile.events import Event, EventRecorder
-from tessera_operator.reconcile.observe import Observation, is_orphan, observe, running_revisions
+from tessera_operator.reconcile.observe import (
+    Observation,
+    is_leader,
+    is_orphan,
+    observe,
+    running_revisions,
+)
 from tessera_operator.reconcile.owned_plans import ServicePlan, plan_services
 from tessera_operator.reconcile.planner import Plan, plan
 from tessera_operator.reconcile.status import build_status, degraded_status, intent_status
@@ -397,6 +403,7 @@ class Reconciler:
                 refused.append(exc)
                 to_create = []
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in seen.pods}
+        leaders = {p["metadata"]["name"] for p in seen.pods if is_leader(p)}
         pods_path = core_path(ref.namespace, "pods")
         refused += await refused_writes([
             *(self.writes.create(pods_path, pod) for pod in to_create),
@@ -404,7 +411,10 @@ class Reconciler:
             self.writes.disruption_budget(ref, planned.spec, decision.surge),
             self.writes.network_policies(ref, planned.spec),
             self.writes.router(ref, planned.spec),
-            *(self.writes.delete_pod(ref.namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
+            *(
+                self.writes.delete_pod(ref.namespace, pod, uids.get(pod), pod in leaders)
+                for pod in decision.delete_pods
+            ),
         ])  # fmt: skip
         log.debug(
             "%s/%s: %d pods seen, %d created, %d deleted, groups %s",

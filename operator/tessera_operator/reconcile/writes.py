@@ -86,9 +86,14 @@ class Writes:
             raise refusal(FAILED_CREATE, what, exc) from exc
         return True
 
-    async def delete_pod(self, namespace: str, name: str, uid: str | None) -> None:
+    async def delete_pod(self, namespace: str, name: str, uid: str | None, leader: bool = False) -> None:
+        """A leader is first marked leaving: the router sends it nothing new while its preStop
+        hook waits for what it has (its delete alone would tell the router as soon)."""
+        path = core_path(namespace, "pods", name)
         try:
-            await self.client.delete(core_path(namespace, "pods", name), uid=uid)
+            if leader:
+                await self.client.merge_patch(path, {"metadata": {"labels": {naming.LEAVING_LABEL: "true"}}})
+            await self.client.delete(path, uid=uid)
         except ApiError as exc:
             if exc.status not in (404, 409):  # gone already, or replaced by a newer incarnation
                 raise refusal(FAILED_DELETE, f"deleting pod {name}", exc) from exc
