@@ -391,7 +391,11 @@ class AutoscalingSpec(Wire):
         "from the queue depth its Ready leaders report.",
     )
     min_replicas: int = Field(
-        default=1, ge=1, le=MAX_REPLICAS, description="Fewest groups (a cluster without groups has no queue)."
+        default=1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Fewest groups. 0 (needs spec.router): the last group goes after "
+        "scaleToZeroSeconds without a request, and one comes back when a request reaches the router.",
     )
     max_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="Most groups.")
     metric: Literal["tessera:num_requests_waiting"] = Field(
@@ -406,6 +410,13 @@ class AutoscalingSpec(Wire):
         ge=0,
         le=MAX_DELAY_SECONDS,
         description="Scale down only to the highest recommendation of this window (HPA's default: 300).",
+    )
+    scale_to_zero_seconds: float = Field(
+        default=600,
+        ge=0,
+        le=MAX_DELAY_SECONDS,
+        description="With minReplicas 0: how long the cluster goes without a request (none reaching "
+        "the router, none open, none waiting) before its last group goes.",
     )
 
 

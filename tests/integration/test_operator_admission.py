@@ -341,6 +341,13 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
         assert can("create", "secrets", ns) and can("get", "secrets", ns)
         assert not can("list", "secrets", ns) and not can("watch", "secrets", ns)
         assert not can("delete", "secrets", ns)
+        # spec.router's Deployment, ServiceAccount, Role and RoleBinding, by name: its Role grants
+        # rights the operator holds (no escalate, no bind), and no list of the namespace's.
+        rbac = "rbac.authorization.k8s.io"
+        assert can("create", "deployments.apps", ns) and can("update", f"roles.{rbac}", ns)
+        assert can("create", f"rolebindings.{rbac}", ns) and can("delete", "serviceaccounts", ns)
+        assert not can("escalate", f"roles.{rbac}", ns) and not can("bind", f"roles.{rbac}", ns)
+        assert not can("list", "deployments.apps", ns) and not can("list", f"roles.{rbac}", ns)
         own = f"validatingwebhookconfigurations/{release}-operator-{ns}.tessera.dev"
         assert can("patch", own, ns) and not can("delete", own, ns)
         assert not can("patch", "validatingwebhookconfigurations/someone-elses", ns)

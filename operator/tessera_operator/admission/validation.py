@@ -149,6 +149,14 @@ def validate_policies(spec: InferenceClusterSpec) -> list[FieldError]:
         )
     if spec.autoscaling is not None and spec.autoscaling.min_replicas > spec.autoscaling.max_replicas:
         errors.append(FieldError("spec.autoscaling.minReplicas", "must be <= spec.autoscaling.maxReplicas"))
+    if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0 and not spec.router.enabled:
+        errors.append(
+            FieldError(
+                "spec.autoscaling.minReplicas",
+                "0 needs spec.router.enabled: the router holds the requests that arrive at zero groups "
+                "and counts them, which is what scales the cluster up again",
+            )
+        )
     return errors
 
 

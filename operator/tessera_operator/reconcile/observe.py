@@ -69,10 +69,7 @@ class GroupObservation:
     @property
     def leader_ready(self) -> bool:
         leader = self.leader
-        if leader is None:
-            return False
-        conditions = leader.get("status", {}).get("conditions") or []
-        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        return leader is not None and pod_ready(leader)
 
     @property
     def all_running(self) -> bool:
@@ -166,6 +163,11 @@ class Observation:
 def running_revisions(pods: Iterable[dict[str, Any]]) -> set[str]:
     """The revisions the pods are labelled with."""
     return {p["metadata"].get("labels", {}).get(naming.REVISION_LABEL, "") for p in pods}
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def is_leader(pod: dict[str, Any]) -> bool:

@@ -38,6 +38,7 @@ from tessera_operator.reconcile.observe import (
     is_leader,
     is_orphan,
     observe,
+    pod_ready,
     running_revisions,
 )
 from tessera_operator.reconcile.owned_plans import ServicePlan, plan_services
@@ -52,7 +53,7 @@ from tessera_operator.reconcile.writes import (
 )
 from tessera_operator.scaling import autoscaler
 from tessera_operator.scaling.plan import METRICS_UNAVAILABLE, ScalePlan, plan_scale, seconds_until_sample
-from tessera_operator.scaling.queue_metrics import queue_depths
+from tessera_operator.scaling.queue_metrics import queue_depths, router_sample
 from tessera_operator.timeutil import to_rfc3339
 
 log = logging.getLogger("tessera_operator.reconcile.reconciler")
@@ -342,8 +343,9 @@ class Reconciler:
         groups = sorted(planned.observation.groups.items())
         ready = {i: g.leader for i, g in groups if g.leader_ready and g.leader}
         depths = dict(zip(ready, await queue_depths(list(ready.values()), settings.metric), strict=True))
+        router = await self.router_sample(ref) if settings.min_replicas == 0 else None
         try:  # pure; a bug here must cost this sample, never the pass (restarts, status)
-            scale = plan_scale(settings, spec.replicas, depths, history, tick)
+            scale = plan_scale(settings, spec.replicas, depths, history, tick, router)
         except Exception:
             log.exception("%s/%s: cannot decide a scale from %s", ref.namespace, ref.name, depths)
             history.last_sample = tick
@@ -361,6 +363,16 @@ class Reconciler:
         history.blind = scale.blind
         status = planned.status.model_copy(update={"autoscaling": scale.status(read.now, last_scale)})
         return replace(planned, status=status, next_sample=self.autoscale_interval)
+
+    async def router_sample(self, ref: ClusterRef) -> autoscaler.RouterSample | None:
+        """The router pods' series (minReplicas 0); None when none of its Ready pods answers."""
+        selector = naming.selector_string(naming.router_selector(ref.name))
+        try:
+            pods = await self.client.list(core_path(ref.namespace, "pods"), selector)
+        except ApiError as exc:
+            log.info("%s/%s: cannot list the router's pods: %s", ref.namespace, ref.name, exc)
+            return None
+        return await router_sample([pod for pod in pods if pod_ready(pod)])
 
     async def apply_scale(self, read: Read, scale: ScalePlan) -> bool | None:
         """True: scaled; False: refused for good (said in a Warning); None: a conflict."""
