@@ -195,6 +195,12 @@ class EngineSpec(Wire):
         description="The leader answers 503 + Retry-After past this many sequences waiting for the "
         "engine (tessera serve --max-waiting-requests); default: the runtime's own, from the KV cache.",
     )
+    metrics_prefix: Literal["tessera", "vllm", "both"] = Field(
+        default="tessera",
+        description="The name prefix of the leaders' /metrics series (tessera serve --metrics-prefix): "
+        "vllm or both for what reads vLLM's names (vllm:num_requests_waiting: KEDA triggers, "
+        "dashboards, an InferencePool's Endpoint Picker); spec.autoscaling reads tessera's.",
+    )
 
 
 class EnvVar(Wire):
@@ -320,6 +326,17 @@ class RolloutSpec(Wire):
     )
 
 
+class EndpointPickerSpec(Wire):
+    """The Endpoint Picker (an ext-proc service, e.g. llm-d's or the Gateway API inference
+    extension's) that a Gateway asks which leader of the InferencePool takes a request."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN, description="Its Service.")
+    port: int = Field(default=9002, ge=1, le=65535, description="Its ext-proc port (default 9002).")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose", description="What the Gateway does when the picker does not answer."
+    )
+
+
 class RouterSpec(Wire):
     """`tessera router` in front of the group leaders (docs/router.md): a Deployment the client
     Service selects, scoring leaders by load and session affinity, holding requests at zero."""
@@ -347,7 +364,13 @@ class RouterSpec(Wire):
     inference_pool: bool = Field(
         default=False,
         description="Also keep an InferencePool (inference.networking.k8s.io/v1) of the leaders for a "
-        "Gateway API inference extension; skipped, with a Warning Event, where its CRD is not installed.",
+        "Gateway API inference extension (needs endpointPicker); where its CRD is not installed, "
+        "none, and the cluster reads Degraded, reason InferencePoolUnavailable.",
+    )
+    endpoint_picker: EndpointPickerSpec | None = Field(
+        default=None,
+        description="The InferencePool's endpointPickerRef (InferencePool v1 requires one; tessera "
+        "router is a proxy, not an Endpoint Picker).",
     )
 
     _bounded = field_validator("resources", mode="before")(bounded)

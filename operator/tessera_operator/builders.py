@@ -40,6 +40,7 @@ PYTHONHASHSEED = "0"
 HEALTH_PATH = "/health"
 # `tessera serve`'s flag (entrypoints/serve_args.py; a serve flag, not an engine setting).
 MAX_WAITING_FLAG = "--max-waiting-requests"
+METRICS_PREFIX_FLAG = "--metrics-prefix"
 # Bytes of each group's secret (the runtime needs at least 32).
 GROUP_SECRET_BYTES = 32
 # Only the pod's user (and fsGroup) reads it: the kubelet makes a read-only volume's files
@@ -111,6 +112,7 @@ REVISION_BASELINE: dict[str, Any] = {
         "generationConfig": "auto",
         "samplingDefaults": None,
         "maxWaitingRequests": None,
+        "metricsPrefix": "tessera",
     },
     "template": {
         "image": "localhost/tessera/runtime-cpu:0.1.0",
@@ -283,6 +285,8 @@ def container_command(spec: InferenceClusterSpec, leader: bool) -> tuple[list[st
         args += ["--served-model-name", served, "--host", "0.0.0.0", "--port", str(DEFAULT_API_PORT)]
         if spec.engine.max_waiting_requests is not None:  # only when set: no roll on upgrade
             args += [MAX_WAITING_FLAG, str(spec.engine.max_waiting_requests)]
+        if spec.engine.metrics_prefix != "tessera":  # likewise
+            args += [METRICS_PREFIX_FLAG, spec.engine.metrics_prefix]
         return ["tessera", "serve"], args
     return ["tessera", "worker"], []
 

@@ -142,6 +142,34 @@ def build_router_role_binding(ref: ClusterRef) -> dict[str, Any]:
     }
 
 
+INFERENCE_POOL_GROUP, INFERENCE_POOL_VERSION = "inference.networking.k8s.io", "v1"
+
+
+def build_inference_pool(ref: ClusterRef, spec: InferenceClusterSpec) -> dict[str, Any] | None:
+    """The InferencePool of the cluster's leaders (spec.router.inferencePool), or None: a Gateway's
+    Endpoint Picker chooses among the pods it selects, on their API port."""
+    router = spec.router
+    if not router.inference_pool or router.endpoint_picker is None:
+        return None
+    picker = router.endpoint_picker
+    body: dict[str, Any] = {
+        "apiVersion": f"{INFERENCE_POOL_GROUP}/{INFERENCE_POOL_VERSION}",
+        "kind": "InferencePool",
+        "metadata": {**_metadata(ref), "name": ref.name},
+        "spec": {
+            "selector": {"matchLabels": naming.rank_leader_selector(ref.name)},
+            "targetPorts": [{"number": DEFAULT_API_PORT}],
+            "endpointPickerRef": {
+                "name": picker.name,
+                "port": {"number": picker.port},
+                "failureMode": picker.failure_mode,
+            },
+        },
+    }
+    body["metadata"]["annotations"] = {SPEC_HASH_ANNOTATION: spec_hash(body)}
+    return body
+
+
 def build_router_objects(ref: ClusterRef, spec: InferenceClusterSpec) -> list[dict[str, Any]]:
     """The router's objects in the order they are needed (the Deployment's pods need the rest),
     each with its spec hash; none when spec.router is off."""

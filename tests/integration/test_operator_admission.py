@@ -92,6 +92,12 @@ def test_a_new_object_reads_as_reconciling_until_an_operator_writes_its_status(
 def test_examples_pass_server_side_validation(crds: Any, k8s_namespace: str) -> None:
     for example in ("smollm2.yaml", "llama-70b-gpu.yaml", "networkpolicy.yaml"):
         crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(ROOT / "examples" / example))
+    # The HPA on the scale subresource: autoscaling/v2 from Kubernetes 1.23, the same fields in
+    # v2beta2 before (the test's API server may be older).
+    hpa = yaml.safe_load((ROOT / "examples" / "autoscaling" / "hpa.yaml").read_text())
+    if "autoscaling/v2" not in crds.kubectl("api-versions").stdout.split():
+        hpa["apiVersion"] = "autoscaling/v2beta2"
+    crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", "-", input=yaml.safe_dump(hpa))
 
 
 WEBHOOK_VALUES = (

@@ -308,23 +308,38 @@ def test_pods_an_orphaning_delete_left_are_adopted_not_replaced(crds: Any, k8s_n
 
 def test_deleting_the_cluster_garbage_collects_everything(crds: Any, k8s_namespace: str) -> None:
     cluster, ns = crds, k8s_namespace
+    pool = {"inferencePool": True, "endpointPicker": {"name": "smollm2-epp"}}  # its CRD: `crds`
     with running_operator(cluster, ns):
-        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
-        wait_for(lambda: len(pod_names(cluster, ns)) == 12, "12 pods")
-        router = ("deployment,serviceaccount,role,rolebinding", "-n", ns, "-l", "tessera.dev/router=smollm2")
-        # The router's objects, made under the chart's RBAC (the Role's rights are the operator's own).
-        wait_for(lambda: len(kjson(cluster, "get", *router)["items"]) == 4, "the router's objects")
-        role = kjson(cluster, "get", "role", "smollm2-router", "-n", ns)
-        assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
-        cluster.kubectl("delete", "ic", "smollm2", "-n", ns)
-        wait_for(lambda: not pod_names(cluster, ns), "pods collected", timeout=60)
-        wait_for(
-            lambda: not kjson(cluster, "get", "svc", "-n", ns, "-l", "tessera.dev/cluster")["items"],
-            "services collected",
-        )
-        wait_for(
-            lambda: not kjson(cluster, "get", *router)["items"], "the router's objects collected", timeout=60
-        )
+        garbage_collects_everything(cluster, ns, pool)
+
+
+def garbage_collects_everything(cluster: Any, ns: str, pool: dict[str, Any]) -> None:
+    apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2, router=pool)
+    wait_for(lambda: len(pod_names(cluster, ns)) == 12, "12 pods")
+    router = (
+        "deployment,serviceaccount,role,rolebinding,inferencepool",
+        *("-n", ns, "-l", "tessera.dev/router=smollm2"),
+    )
+    # The router's objects and the InferencePool, made under the chart's RBAC (the Role's
+    # rights are the operator's own).
+    wait_for(lambda: len(kjson(cluster, "get", *router)["items"]) == 5, "the router's objects")
+    made = kjson(cluster, "get", "inferencepool", "smollm2", "-n", ns)
+    assert made["spec"]["selector"]["matchLabels"]["tessera.dev/role"] == "leader"
+    assert made["spec"]["targetPorts"] == [{"number": 8000}]
+    # Owned as the rest.
+    [owner] = made["metadata"]["ownerReferences"]
+    assert owner["uid"] == ic(cluster, ns, "smollm2")["metadata"]["uid"] and owner["controller"] is True
+    role = kjson(cluster, "get", "role", "smollm2-router", "-n", ns)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    cluster.kubectl("delete", "ic", "smollm2", "-n", ns)
+    wait_for(lambda: not pod_names(cluster, ns), "pods collected", timeout=60)
+    wait_for(
+        lambda: not kjson(cluster, "get", "svc", "-n", ns, "-l", "tessera.dev/cluster")["items"],
+        "services collected",
+    )
+    wait_for(
+        lambda: not kjson(cluster, "get", *router)["items"], "the router's objects collected", timeout=60
+    )
 
 
 def test_cluster_wide_operator_serves_any_namespace(crds: Any, k8s_namespace: str) -> None:

@@ -597,3 +597,16 @@ def test_the_pre_stop_hook_drains_the_leader_and_workers_outlive_it() -> None:
     assert longer["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "120"
     # Not pod-affecting: a drain setting applies to groups made after it, and rolls none.
     assert builders.revision_of(spec_of(rollout={"drainSeconds": 120})) == builders.revision_of(spec_of())
+
+
+def test_the_metrics_prefix_reaches_the_leader_only_when_not_the_default() -> None:
+    leader_args = builders.build_pod(REF, spec_of(), "r", 0, 0, 0)["spec"]["containers"][0]["args"]
+    assert builders.METRICS_PREFIX_FLAG not in leader_args  # existing pods do not roll
+    assert builders.revision_of(spec_of(engine={"metricsPrefix": "tessera"})) == builders.revision_of(
+        spec_of()
+    )
+    both = builders.build_pod(REF, spec_of(engine={"metricsPrefix": "both"}), "r", 0, 0, 0)
+    args = both["spec"]["containers"][0]["args"]
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(args).metrics_prefix == "both"  # the runtime's own flag

@@ -7,8 +7,11 @@ import copy
 
 from tessera.router.cli import add_router_args
 from tessera_operator import builders, naming, router_builders
+from tessera_operator.admission.validation import validate_policies
 from tessera_operator.reconcile.owned_plans import plan_owned, plan_services, updated_owned
+from tessera_operator.reconcile.reconciler import Reconciler
 from tests.operator.sim import REF, spec_of
+from tests.operator.test_reconcile_unit import IC_PATH, fake_with_cluster
 
 
 def test_the_router_is_on_by_default_and_the_client_service_selects_its_pods() -> None:
@@ -101,3 +104,40 @@ def test_with_network_policies_the_router_may_call_the_leaders() -> None:
         REF, spec_of(networkPolicy={"enabled": True}, router={"enabled": False})
     )
     assert len(plain["spec"]["ingress"][0]["from"]) == 2
+
+
+POOL = {"inferencePool": True, "endpointPicker": {"name": "demo-epp"}}
+
+
+def test_the_inference_pool_selects_the_leaders_on_their_api_port_with_its_endpoint_picker() -> None:
+    assert router_builders.build_inference_pool(REF, spec_of()) is None
+    pool = router_builders.build_inference_pool(REF, spec_of(router=POOL))
+    assert pool is not None
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1" and pool["kind"] == "InferencePool"
+    assert pool["metadata"]["name"] == "demo" and pool["metadata"]["ownerReferences"][0]["uid"] == REF.uid
+    assert pool["spec"] == {
+        "selector": {"matchLabels": naming.rank_leader_selector("demo")},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"name": "demo-epp", "port": {"number": 9002}, "failureMode": "FailClose"},
+    }
+    leader = builders.build_pod(REF, spec_of(), "r", 0, 0, 0)["metadata"]["labels"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= leader.items()
+
+
+def test_an_inference_pool_needs_its_endpoint_picker() -> None:
+    [error] = validate_policies(spec_of(router={"inferencePool": True}))
+    assert error.field == "spec.router.endpointPicker"
+    assert validate_policies(spec_of(router=POOL)) == []
+
+
+async def test_without_the_inference_pool_crd_the_cluster_reads_degraded_and_the_router_still_runs() -> None:
+    client = fake_with_cluster(router=POOL)
+    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    degraded = next(c for c in client.objects[IC_PATH]["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InferencePoolUnavailable"
+    assert "/apis/apps/v1/namespaces/ns/deployments/demo-router" in client.objects
+    client.objects["/apis/inference.networking.k8s.io/v1"] = {"kind": "APIResourceList"}  # installed now
+    await Reconciler(client, clock=lambda: 1000.0).reconcile("ns", "demo")  # type: ignore[arg-type]
+    assert "/apis/inference.networking.k8s.io/v1/namespaces/ns/inferencepools/demo" in client.objects
+    degraded = next(c for c in client.objects[IC_PATH]["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"

@@ -108,4 +108,8 @@ HPA would). */}}
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["get", "create", "update", "delete"]
+# spec.router.inferencePool: the cluster's InferencePool (Gateway API inference extension).
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "update", "delete"]
 {{- end -}}

@@ -1,4 +1,5 @@
-"""The router's objects (spec.router) written: each made, rewritten or deleted as `plan_owned` says.
+"""The router's objects (spec.router), and its InferencePool, written: each made, rewritten or
+deleted as `plan_owned` says.
 
 Read by name (no list, no watch: the operator's Role needs get, create, update, delete only).
 Without rights on them (a Role from before the router) and none wanted: nothing to do.
@@ -25,30 +26,59 @@ KINDS: tuple[tuple[str, Any], ...] = (
 
 
 async def write_router(client: KubeClient, ref: ClusterRef, spec: InferenceClusterSpec) -> None:
-    """Raises ApiError (the caller turns refusals into Degraded) or NotOurs(kind, name)."""
+    """Raises ApiError (the caller turns refusals into Degraded), NotOurs(kind, name), or
+    PoolUnavailable when an InferencePool is wanted and the API server has none of its kind."""
     desired = {body["kind"]: body for body in router_builders.build_router_objects(ref, spec)}
     name = naming.router_name(ref.name)
     for kind, collection in KINDS:
-        path = collection(ref.namespace)
-        want = desired.get(kind)
-        try:
-            have: dict[str, Any] | None = await client.get(f"{path}/{name}")
-        except ApiError as exc:
-            if exc.status == 404:
-                have = None
-            elif want is None and exc.status == 403:
-                continue  # never had rights on them, so never made one
-            else:
-                raise
-        action = plan_owned(ref, want, have)
-        if action == "not_ours":
-            raise NotOurs(kind, name)
-        if action == "create" and want is not None:
-            await client.create(path, want)
-        elif action == "update" and want is not None and have is not None:
-            await client.request("PUT", f"{path}/{name}", body=updated_owned(have, want))
-        elif action == "delete" and have is not None:
-            await client.delete(f"{path}/{name}", uid=have["metadata"]["uid"])
+        await write_owned(client, ref, collection(ref.namespace), name, kind, desired.get(kind))
+    pool = router_builders.build_inference_pool(ref, spec)
+    group, version = router_builders.INFERENCE_POOL_GROUP, router_builders.INFERENCE_POOL_VERSION
+    if pool is not None and not await served(client, f"/apis/{group}/{version}"):
+        raise PoolUnavailable(
+            f"spec.router.inferencePool: the API server serves no {group}/{version} (install the "
+            "Gateway API inference extension's CRDs); no InferencePool made"
+        )
+    path = custom_path(group, version, ref.namespace, "inferencepools")
+    await write_owned(client, ref, path, ref.name, "InferencePool", pool)
+
+
+async def served(client: KubeClient, group_version_path: str) -> bool:
+    try:
+        await client.get(group_version_path)
+    except ApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
+async def write_owned(
+    client: KubeClient, ref: ClusterRef, path: str, name: str, kind: str, want: dict[str, Any] | None
+) -> None:
+    """One object made, rewritten or deleted as `plan_owned` says."""
+    try:
+        have: dict[str, Any] | None = await client.get(f"{path}/{name}")
+    except ApiError as exc:
+        if exc.status == 404:
+            have = None
+        elif want is None and exc.status == 403:
+            return  # never had rights on them, so never made one
+        else:
+            raise
+    action = plan_owned(ref, want, have)
+    if action == "not_ours":
+        raise NotOurs(kind, name)
+    if action == "create" and want is not None:
+        await client.create(path, want)
+    elif action == "update" and want is not None and have is not None:
+        await client.request("PUT", f"{path}/{name}", body=updated_owned(have, want))
+    elif action == "delete" and have is not None:
+        await client.delete(f"{path}/{name}", uid=have["metadata"]["uid"])
+
+
+class PoolUnavailable(Exception):
+    """An InferencePool is wanted and its CRD is not installed."""
 
 
 class NotOurs(Exception):

@@ -24,11 +24,12 @@ from tessera_operator.reconcile.owned_plans import (
     plan_budget,
     repaired_service,
 )
-from tessera_operator.reconcile.router_writes import NotOurs, write_router
+from tessera_operator.reconcile.router_writes import NotOurs, PoolUnavailable, write_router
 from tessera_operator.reconcile.status import merge_patch
 
 log = logging.getLogger("tessera_operator.reconcile.writes")
 FAILED_CREATE, FAILED_DELETE, FAILED_SCALE = "FailedCreate", "FailedDelete", "FailedScale"
+POOL_UNAVAILABLE = "InferencePoolUnavailable"
 
 
 class WriteRefused(Exception):
@@ -264,6 +265,8 @@ class Writes:
             await write_router(self.client, ref, spec)
         except NotOurs as exc:
             raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
+        except PoolUnavailable as exc:
+            raise WriteRefused(POOL_UNAVAILABLE, str(exc)) from exc
         except ApiError as exc:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
                 raise refusal(FAILED_CREATE, "updating the router", exc) from exc
