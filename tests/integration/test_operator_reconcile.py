@@ -235,8 +235,8 @@ def test_deleted_pod_and_edited_service_are_put_back(crds: Any, k8s_namespace: s
         )
         wait_for(
             lambda: (
-                kjson(cluster, "get", "svc", "smollm2", "-n", ns)["spec"]["selector"].get("tessera.dev/role")
-                == "leader"
+                kjson(cluster, "get", "svc", "smollm2", "-n", ns)["spec"]["selector"]
+                == {"tessera.dev/router": "smollm2", "app.kubernetes.io/managed-by": "tessera-operator"}
             ),
             "client Service selector restored",
         )

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from tessera.topology import DEFAULT_API_PORT
-from tessera_operator import builders
+from tessera_operator import builders, naming
 from tessera_operator.admission.validation import validate_object
 from tessera_operator.api import InferenceClusterSpec
 
@@ -57,6 +57,9 @@ def test_the_network_policy_selects_the_pods_the_operator_builds() -> None:
     leaders = [lab for lab in labels if selects(clients["podSelector"], lab)]
     assert len(leaders) == 1 and leaders[0]["tessera.dev/role"] == "leader"
     assert clients["ingress"][0]["ports"] == [{"port": DEFAULT_API_PORT, "protocol": "TCP"}]
+    # The router's pods may call the leaders, as in the operator's own policy.
+    router = {"podSelector": {"matchLabels": naming.router_selector("smollm2")}}
+    assert router in clients["ingress"][0]["from"]
 
 
 AUTOSCALING = {
