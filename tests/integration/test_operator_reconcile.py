@@ -82,8 +82,9 @@ def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_na
         services = services_by_name()
         assert services["smollm2-ranks"]["spec"]["clusterIP"] == "None"
         assert services["smollm2-ranks"]["spec"]["publishNotReadyAddresses"] is True
-        assert services["smollm2"]["spec"]["selector"] == {  # the router's pods (spec.router)
-            "tessera.dev/router": "smollm2",
+        assert services["smollm2"]["spec"]["selector"] == {  # the leaders, until a router pod is Ready
+            "tessera.dev/cluster": "smollm2",
+            "tessera.dev/role": "leader",
             "app.kubernetes.io/managed-by": "tessera-operator",
         }
 
@@ -246,8 +247,8 @@ def test_deleted_pod_and_edited_service_are_put_back(crds: Any, k8s_namespace: s
         )
         wait_for(
             lambda: (
-                kjson(cluster, "get", "svc", "smollm2", "-n", ns)["spec"]["selector"]
-                == {"tessera.dev/router": "smollm2", "app.kubernetes.io/managed-by": "tessera-operator"}
+                kjson(cluster, "get", "svc", "smollm2", "-n", ns)["spec"]["selector"].get("tessera.dev/role")
+                == "leader"
             ),
             "client Service selector restored",
         )
@@ -429,6 +430,20 @@ def test_the_router_follows_the_leaders_under_its_own_role_and_drops_a_leaving_o
             wait_for(lambda: ready_endpoints() == 1, "the router routes to the Ready leader", timeout=60)
             cluster.kubectl("label", "pod", "smollm2-g0-s0-t0", "tessera.dev/leaving=true", "-n", ns)
             wait_for(lambda: ready_endpoints() == 0, "the router drops the leader marked leaving")
+            # Its pod Ready (the Deployment counts it): the client Service moves to the router.
+            [router_pod] = kjson(cluster, "get", "pods", "-n", ns, "-l", "tessera.dev/router=smollm2")[
+                "items"
+            ]
+            set_pod_status(
+                cluster, ns, router_pod["metadata"]["name"], running(ready=True, pod_ip="127.0.0.2")
+            )
+            wait_for(
+                lambda: (
+                    kjson(cluster, "get", "svc", "smollm2", "-n", ns)["spec"]["selector"]
+                    == {"tessera.dev/router": "smollm2", "app.kubernetes.io/managed-by": "tessera-operator"}
+                ),
+                "the client Service selects the router's pods",
+            )
         except BaseException:
             print((tmp_path / "router.log").read_text())
             raise

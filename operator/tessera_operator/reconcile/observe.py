@@ -170,6 +170,12 @@ def pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def router_serves(deployment: dict[str, Any], uid: str) -> bool:
+    """The cluster's own router Deployment has a Ready pod."""
+    ready = (deployment.get("status") or {}).get("readyReplicas") or 0
+    return controlled_by(deployment, uid) and int(ready) >= 1
+
+
 def is_leader(pod: dict[str, Any]) -> bool:
     return bool((pod["metadata"].get("labels") or {}).get(naming.ROLE_LABEL) == naming.LEADER)
 

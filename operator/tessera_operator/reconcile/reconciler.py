@@ -39,6 +39,7 @@ from tessera_operator.reconcile.observe import (
     is_orphan,
     observe,
     pod_ready,
+    router_serves,
     running_revisions,
 )
 from tessera_operator.reconcile.owned_plans import ServicePlan, plan_services
@@ -93,6 +94,9 @@ class Seen:
 
     pods: list[dict[str, Any]]
     services: list[dict[str, Any]]
+    # The router's Deployment has a Ready pod: only then does the client Service select the router
+    # (a new router, or one turned on, must not take the leaders' traffic before it serves).
+    router_ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -259,11 +263,23 @@ class Reconciler:
     async def observe(self, read: Read) -> Seen:
         ref = read.ref
         selector = naming.selector_string(naming.cluster_selector(ref.name))
-        pods, services = await asyncio.gather(
+        pods, services, router = await asyncio.gather(
             self.client.list(core_path(ref.namespace, "pods"), selector),
             self.client.list(core_path(ref.namespace, "services"), selector),
+            self.read_router(ref),
         )
-        return Seen(await self.adopt_orphans(ref, pods), list(services))
+        ready = router is not None and router_serves(router, ref.uid)
+        return Seen(await self.adopt_orphans(ref, pods), list(services), ready)
+
+    async def read_router(self, ref: ClusterRef) -> dict[str, Any] | None:
+        """The router's Deployment, or None (none, or no right to read it: the leaders serve)."""
+        path = custom_path("apps", "v1", ref.namespace, "deployments", naming.router_name(ref.name))
+        try:
+            return dict(await self.client.get(path))
+        except ApiError as exc:
+            if exc.status in (403, 404):
+                return None
+            raise
 
     async def adopt_orphans(self, ref: ClusterRef, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Adopts the orphans among the pods, as a ReplicaSet does (the planner then keeps, rolls or
@@ -319,7 +335,7 @@ class Reconciler:
             for pod in builders.build_group(ref, spec, revision, index)
             if pod["metadata"]["name"] not in existing
         ]
-        services = plan_services(ref, seen.services, spec.router.enabled)
+        services = plan_services(ref, seen.services, spec.router.enabled and seen.router_ready)
         return Planned(spec, revision, observation, decision, status, to_create, services)
 
     # -- scale (a plan step with a write of its own: spec.replicas) ----------------------------
