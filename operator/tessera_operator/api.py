@@ -33,6 +33,7 @@ MAX_REPLICAS = 256
 MAX_LIST_ITEMS = 64  # volumes, mounts, tolerations, labels, ...: copied into every pod
 MAX_ENV = 256
 MAX_ENV_VALUE = 32 * 1024
+MAX_ROUTER_REPLICAS = 64
 MAX_TOKENS = 2**24  # context lengths and token budgets
 MAX_DELAY_SECONDS = 7 * 24 * 3600  # restart delays: beyond this a timestamp is meaningless
 # Leading '-' would turn a model name into a command-line flag of `tessera serve`.
@@ -194,6 +195,12 @@ class EngineSpec(Wire):
         description="The leader answers 503 + Retry-After past this many sequences waiting for the "
         "engine (tessera serve --max-waiting-requests); default: the runtime's own, from the KV cache.",
     )
+    metrics_prefix: Literal["tessera", "vllm", "both"] = Field(
+        default="tessera",
+        description="The name prefix of the leaders' /metrics series (tessera serve --metrics-prefix): "
+        "vllm or both for what reads vLLM's names (vllm:num_requests_waiting: KEDA triggers, "
+        "dashboards, an InferencePool's Endpoint Picker); spec.autoscaling reads tessera's.",
+    )
 
 
 class EnvVar(Wire):
@@ -309,6 +316,64 @@ class RolloutSpec(Wire):
         "pulled), or that keeps failing this long without a Ready run, makes the cluster Stalled, "
         "reason ProgressDeadlineExceeded: GitOps tools stop waiting.",
     )
+    drain_seconds: int = Field(
+        default=20,
+        ge=0,
+        le=3600,
+        description="A deleted group's leader (rollout, scale-in) answers what it has open, for at "
+        "most this long, before it stops (its preStop hook, tessera drain); its pods' "
+        "terminationGracePeriodSeconds is this + 10. Groups made after a change get it.",
+    )
+
+
+class EndpointPickerSpec(Wire):
+    """The Endpoint Picker (an ext-proc service, e.g. llm-d's or the Gateway API inference
+    extension's) that a Gateway asks which leader of the InferencePool takes a request."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN, description="Its Service.")
+    port: int = Field(default=9002, ge=1, le=65535, description="Its ext-proc port (default 9002).")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose", description="What the Gateway does when the picker does not answer."
+    )
+
+
+class RouterSpec(Wire):
+    """`tessera router` in front of the group leaders (docs/router.md): a Deployment the client
+    Service selects, scoring leaders by load and session affinity, holding requests at zero."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Run the router and point the client Service at it; off: the Service selects the "
+        "Ready leaders (round robin).",
+    )
+    replicas: int = Field(default=1, ge=1, le=MAX_ROUTER_REPLICAS, description="Router pods.")
+    resources: dict[str, Any] | None = free_form("Container resources (requests, limits) of the router.")
+    hold_seconds: float = Field(
+        default=30,
+        ge=0,
+        le=3600,
+        description="With no leader Ready (scaled to zero, a rollout), a request waits this long for one "
+        "(tessera router --hold-timeout), then gets 503 + Retry-After.",
+    )
+    max_held_requests: int = Field(
+        default=256,
+        ge=0,
+        le=1_000_000,
+        description="Requests held at once with no leader Ready (tessera router --hold-max; 0: a 503 at once).",
+    )
+    inference_pool: bool = Field(
+        default=False,
+        description="Also keep an InferencePool (inference.networking.k8s.io/v1) of the leaders for a "
+        "Gateway API inference extension (needs endpointPicker); where its CRD is not installed, "
+        "none, and the cluster reads Degraded, reason InferencePoolUnavailable.",
+    )
+    endpoint_picker: EndpointPickerSpec | None = Field(
+        default=None,
+        description="The InferencePool's endpointPickerRef (InferencePool v1 requires one; tessera "
+        "router is a proxy, not an Endpoint Picker).",
+    )
+
+    _bounded = field_validator("resources", mode="before")(bounded)
 
 
 class RestartPolicySpec(Wire):
@@ -349,7 +414,11 @@ class AutoscalingSpec(Wire):
         "from the queue depth its Ready leaders report.",
     )
     min_replicas: int = Field(
-        default=1, ge=1, le=MAX_REPLICAS, description="Fewest groups (a cluster without groups has no queue)."
+        default=1,
+        ge=0,
+        le=MAX_REPLICAS,
+        description="Fewest groups. 0 (needs spec.router): the last group goes after "
+        "scaleToZeroSeconds without a request, and one comes back when a request reaches the router.",
     )
     max_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="Most groups.")
     metric: Literal["tessera:num_requests_waiting"] = Field(
@@ -364,6 +433,13 @@ class AutoscalingSpec(Wire):
         ge=0,
         le=MAX_DELAY_SECONDS,
         description="Scale down only to the highest recommendation of this window (HPA's default: 300).",
+    )
+    scale_to_zero_seconds: float = Field(
+        default=600,
+        ge=0,
+        le=MAX_DELAY_SECONDS,
+        description="With minReplicas 0: how long the cluster goes without a request (none reaching "
+        "the router, none open, none waiting) before its last group goes.",
     )
 
 
@@ -416,6 +492,7 @@ class InferenceClusterSpec(Wire):
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="NetworkPolicies the operator keeps for the cluster."
     )
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the leaders.")
 
     @property
     def pods_per_stage(self) -> int:

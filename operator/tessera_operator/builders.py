@@ -40,6 +40,7 @@ PYTHONHASHSEED = "0"
 HEALTH_PATH = "/health"
 # `tessera serve`'s flag (entrypoints/serve_args.py; a serve flag, not an engine setting).
 MAX_WAITING_FLAG = "--max-waiting-requests"
+METRICS_PREFIX_FLAG = "--metrics-prefix"
 # Bytes of each group's secret (the runtime needs at least 32).
 GROUP_SECRET_BYTES = 32
 # Only the pod's user (and fsGroup) reads it: the kubelet makes a read-only volume's files
@@ -48,13 +49,18 @@ GROUP_SECRET_MODE = 0o400
 # Fields whose change alters pods (and so starts a rolling update); replicas, rollout,
 # restartPolicy and autoscaling do not.
 POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement")
-# A deleted leader keeps accepting this long before its SIGTERM: until then its Endpoints still
-# list it (the endpoints controller, then kube-proxy, take a moment to drop a terminating pod), and
-# a leader that stopped listening at once would refuse the connections still sent to it.
+# A deleted leader keeps accepting at least this long before its SIGTERM: until then the router
+# (which drops a pod marked leaving or deleted as its watch sees it) or the Service's Endpoints
+# (the endpoints controller, then kube-proxy, take a moment to drop a terminating pod) may still
+# send it requests, and a leader that stopped listening at once would refuse them.
 LEADER_DEREGISTER_SECONDS = 5
-# The leader's deregistration, then its graceful shutdown (5 s in the API server); shorter than
-# the pod's grace.
-WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + 8
+# After its leader's drain, a worker lingers through the leader's graceful shutdown (5 s in the
+# API server) computing for it.
+WORKER_LINGER_SECONDS = 8
+WORKER_DRAIN_SECONDS = LEADER_DEREGISTER_SECONDS + WORKER_LINGER_SECONDS  # a worker's least stay
+# The pod's grace beyond rollout.drainSeconds: the leader's shutdown after its drain (a worker's
+# linger fits in it too).
+SHUTDOWN_SECONDS = 10
 # Variables the operator owns in every rank pod; the user's env must not shadow them. The
 # layout's count even where a default layout leaves them out (a layer partition, experts).
 RESERVED_ENV = (
@@ -106,6 +112,7 @@ REVISION_BASELINE: dict[str, Any] = {
         "generationConfig": "auto",
         "samplingDefaults": None,
         "maxWaitingRequests": None,
+        "metricsPrefix": "tessera",
     },
     "template": {
         "image": "localhost/tessera/runtime-cpu:0.1.0",
@@ -278,6 +285,8 @@ def container_command(spec: InferenceClusterSpec, leader: bool) -> tuple[list[st
         args += ["--served-model-name", served, "--host", "0.0.0.0", "--port", str(DEFAULT_API_PORT)]
         if spec.engine.max_waiting_requests is not None:  # only when set: no roll on upgrade
             args += [MAX_WAITING_FLAG, str(spec.engine.max_waiting_requests)]
+        if spec.engine.metrics_prefix != "tessera":  # likewise
+            args += [METRICS_PREFIX_FLAG, spec.engine.metrics_prefix]
         return ["tessera", "serve"], args
     return ["tessera", "worker"], []
 
@@ -431,12 +440,7 @@ def rank_container(
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    # When a group is deleted (rollout, scale-in) every pod is told at once: the leader serves
-    # on until no Service sends it new connections, then finishes its in-flight requests
-    # (uvicorn's graceful shutdown) while the workers keep computing for them, instead of
-    # failing them by exiting first.
-    drain = LEADER_DEREGISTER_SECONDS if leader else WORKER_DRAIN_SECONDS
-    container["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(drain)]}}}
+    container["lifecycle"] = {"preStop": {"exec": {"command": drain_command(spec, topology)}}}
     if leader:
         ports.append({"name": "http", "containerPort": topology.api_port, "protocol": "TCP"})
         # The runtime answers /health only after rendezvous and a warm-up forward pass: this probe
@@ -448,6 +452,20 @@ def rank_container(
             "timeoutSeconds": 3,
         }
     return container
+
+
+def drain_command(spec: InferenceClusterSpec, topology: Topology) -> list[str]:
+    """The preStop hook. When a group is deleted (rollout, scale-in) every pod is told at once: the
+    leader serves on until the router (the pod is marked leaving) or the Service sends it nothing
+    new, and until the requests it has are answered (`tessera drain`, polling its own count, at
+    most rollout.drainSeconds); the workers wait for the same, then for its shutdown, computing
+    for it rather than failing its requests by exiting first."""
+    url = f"http://{'127.0.0.1' if topology.is_leader else topology.leader_addr}:{topology.api_port}"
+    command = ["tessera", "drain", "--url", url, "--min-seconds", str(LEADER_DEREGISTER_SECONDS)]
+    command += ["--timeout", str(spec.rollout.drain_seconds)]
+    if not topology.is_leader:
+        command += ["--linger", str(WORKER_LINGER_SECONDS)]
+    return command
 
 
 def rank_pod_spec(
@@ -468,7 +486,8 @@ def rank_pod_spec(
         # Ranks never call the Kubernetes API: no token in the pod (the spec cannot ask for one
         # either: its ServiceAccount and projected tokens pass the operator's pod policy).
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 30,
+        # 30 with the default drain, as before rollout.drainSeconds.
+        "terminationGracePeriodSeconds": spec.rollout.drain_seconds + SHUTDOWN_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUNTIME_UID,
@@ -538,14 +557,16 @@ def build_headless_service(ref: ClusterRef) -> dict[str, Any]:
     )
 
 
-def build_client_service(ref: ClusterRef) -> dict[str, Any]:
-    """What clients call: the OpenAI API of every Ready leader (a Service only routes to ready pods)."""
+def build_client_service(ref: ClusterRef, router: bool = False) -> dict[str, Any]:
+    """What clients call: the OpenAI API of the router pods (`router`: spec.router.enabled), else of
+    every Ready leader (a Service only routes to ready pods)."""
+    selector = naming.router_selector(ref.name) if router else naming.rank_leader_selector(ref.name)
     return _service(
         ref,
         naming.client_service_name(ref.name),
         {
             "type": "ClusterIP",
-            "selector": naming.rank_leader_selector(ref.name),
+            "selector": selector,
             "ports": [{"name": "http", "port": DEFAULT_API_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     )
@@ -649,6 +670,9 @@ def build_network_policies(ref: ClusterRef, spec: InferenceClusterSpec) -> list[
     if not client:  # neither: the cluster's own namespace
         client["podSelector"] = {}
     operator = {"namespaceSelector": {"matchLabels": dict(OPERATOR_NAMESPACE_LABELS)}}
+    callers = [client, operator]
+    if spec.router.enabled:  # the router's pods, in the cluster's namespace (no policy selects them)
+        callers.append({"podSelector": {"matchLabels": naming.router_selector(ref.name)}})
 
     def policy(name: str, selector: dict[str, Any], ingress: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -664,6 +688,6 @@ def build_network_policies(ref: ClusterRef, spec: InferenceClusterSpec) -> list[
         policy(
             clients_name,
             {"matchLabels": naming.rank_leader_selector(ref.name)},
-            [{"from": [client, operator], "ports": [{"port": DEFAULT_API_PORT, "protocol": "TCP"}]}],
+            [{"from": callers, "ports": [{"port": DEFAULT_API_PORT, "protocol": "TCP"}]}],
         ),
     ]

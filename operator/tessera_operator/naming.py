@@ -11,6 +11,9 @@ STAGE_LABEL = "tessera.dev/stage"
 TP_RANK_LABEL = "tessera.dev/tp-rank"
 ROLE_LABEL = "tessera.dev/role"
 REVISION_LABEL = "tessera.dev/revision"
+# On a leader the operator is about to delete: the router sends it nothing new (its preStop
+# hook, `tessera drain`, then waits for what it has). runtime/tessera/router/labels.py copies it.
+LEAVING_LABEL = "tessera.dev/leaving"
 GROUP_SIZE_ANNOTATION = "tessera.dev/group-size"  # pods in the group, on each of its pods
 MANAGED_BY = {"app.kubernetes.io/managed-by": "tessera-operator"}
 LEADER, WORKER = "leader", "worker"
@@ -97,3 +100,17 @@ def rank_leader_selector(cluster: str) -> dict[str, str]:
 def network_policy_names(cluster: str) -> tuple[str, str]:
     """(rank-to-rank, clients-to-leaders) NetworkPolicies of `spec.networkPolicy`."""
     return f"{cluster}-ranks", f"{cluster}-clients"
+
+
+# The router's pods carry this label (its value: the cluster), not the cluster label: the rank
+# selectors, the pod listing of a pass and the budget never count them as ranks.
+ROUTER_LABEL = "tessera.dev/router"
+
+
+def router_name(cluster: str) -> str:
+    """The router's Deployment, ServiceAccount, Role and RoleBinding (spec.router)."""
+    return f"{cluster}-router"
+
+
+def router_selector(cluster: str) -> dict[str, str]:
+    return {ROUTER_LABEL: cluster, **MANAGED_BY}

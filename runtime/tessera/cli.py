@@ -83,6 +83,7 @@ def _optional_subcommands() -> list[Callable[[argparse._SubParsersAction], None]
         "tessera.entrypoints.serve_command",
         "tessera.bench.cli",
         "tessera.router.cli",
+        "tessera.entrypoints.drain",
         "tessera.worker.worker_proc",
     ):
         try:

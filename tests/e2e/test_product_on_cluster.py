@@ -39,6 +39,9 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
+# The node agent mounts no ServiceAccount token into a pod: a router there could not watch the
+# leaders, so the client Service selects them directly (spec.router off).
+DEMO["spec"]["router"] = {"enabled": False}
 NAME = DEMO["metadata"]["name"]
 SERVED = DEMO["spec"]["model"]["servedName"]
 READY_TIMEOUT = 420.0

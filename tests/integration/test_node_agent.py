@@ -445,6 +445,7 @@ def test_a_rank_container_has_a_read_only_root_its_secret_volume_and_drains_befo
         "SIGTERM reaches the container after its preStop hook",
         timeout=builders.WORKER_DRAIN_SECONDS + 20,
     )
-    # The hook held SIGTERM back for the drain (it is `sleep <drain>`), not a moment.
+    # The hook held SIGTERM back for the drain (`tessera drain`: the least wait, no leader there to
+    # wait for, then the linger), not a moment.
     assert float(line.split()[1]) - deleted_at >= builders.WORKER_DRAIN_SECONDS - 1
     eventually(lambda: pod_gone(cluster, ns, "probe"), "the pod is deleted", timeout=30)

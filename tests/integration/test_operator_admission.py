@@ -92,6 +92,12 @@ def test_a_new_object_reads_as_reconciling_until_an_operator_writes_its_status(
 def test_examples_pass_server_side_validation(crds: Any, k8s_namespace: str) -> None:
     for example in ("smollm2.yaml", "llama-70b-gpu.yaml", "networkpolicy.yaml"):
         crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", str(ROOT / "examples" / example))
+    # The HPA on the scale subresource: autoscaling/v2 from Kubernetes 1.23, the same fields in
+    # v2beta2 before (the test's API server may be older).
+    hpa = yaml.safe_load((ROOT / "examples" / "autoscaling" / "hpa.yaml").read_text())
+    if "autoscaling/v2" not in crds.kubectl("api-versions").stdout.split():
+        hpa["apiVersion"] = "autoscaling/v2beta2"
+    crds.kubectl("apply", "--dry-run=server", "-n", k8s_namespace, "-f", "-", input=yaml.safe_dump(hpa))
 
 
 WEBHOOK_VALUES = (
@@ -341,6 +347,13 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
         assert can("create", "secrets", ns) and can("get", "secrets", ns)
         assert not can("list", "secrets", ns) and not can("watch", "secrets", ns)
         assert not can("delete", "secrets", ns)
+        # spec.router's Deployment, ServiceAccount, Role and RoleBinding, by name: its Role grants
+        # rights the operator holds (no escalate, no bind), and no list of the namespace's.
+        rbac = "rbac.authorization.k8s.io"
+        assert can("create", "deployments.apps", ns) and can("update", f"roles.{rbac}", ns)
+        assert can("create", f"rolebindings.{rbac}", ns) and can("delete", "serviceaccounts", ns)
+        assert not can("escalate", f"roles.{rbac}", ns) and not can("bind", f"roles.{rbac}", ns)
+        assert not can("list", "deployments.apps", ns) and not can("list", f"roles.{rbac}", ns)
         own = f"validatingwebhookconfigurations/{release}-operator-{ns}.tessera.dev"
         assert can("patch", own, ns) and not can("delete", own, ns)
         assert not can("patch", "validatingwebhookconfigurations/someone-elses", ns)

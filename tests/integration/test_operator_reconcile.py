@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
+import os
 import re
+import subprocess
+import sys
+import threading
 import time
 import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from tessera.ports import free_port
 from tests.integration.operator_harness import (
     FakeKubelet,
     apply_example,
@@ -22,6 +32,7 @@ from tests.integration.operator_harness import (
     set_pod_status,
     wait_for,
 )
+from tests.serving.server import REPO_ROOT
 
 SMALL = {"tensor": 3, "pipeline": 2}  # 6 pods a group, as the example
 FAST_RESTART = {"backoffBaseSeconds": 2, "backoffMaxSeconds": 8, "resetAfterSeconds": 600}
@@ -71,7 +82,7 @@ def test_example_becomes_rank_pods_services_and_a_ready_status(crds: Any, k8s_na
         services = services_by_name()
         assert services["smollm2-ranks"]["spec"]["clusterIP"] == "None"
         assert services["smollm2-ranks"]["spec"]["publishNotReadyAddresses"] is True
-        assert services["smollm2"]["spec"]["selector"] == {
+        assert services["smollm2"]["spec"]["selector"] == {  # the leaders, until a router pod is Ready
             "tessera.dev/cluster": "smollm2",
             "tessera.dev/role": "leader",
             "app.kubernetes.io/managed-by": "tessera-operator",
@@ -309,15 +320,38 @@ def test_pods_an_orphaning_delete_left_are_adopted_not_replaced(crds: Any, k8s_n
 
 def test_deleting_the_cluster_garbage_collects_everything(crds: Any, k8s_namespace: str) -> None:
     cluster, ns = crds, k8s_namespace
+    pool = {"inferencePool": True, "endpointPicker": {"name": "smollm2-epp"}}  # its CRD: `crds`
     with running_operator(cluster, ns):
-        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2)
-        wait_for(lambda: len(pod_names(cluster, ns)) == 12, "12 pods")
-        cluster.kubectl("delete", "ic", "smollm2", "-n", ns)
-        wait_for(lambda: not pod_names(cluster, ns), "pods collected", timeout=60)
-        wait_for(
-            lambda: not kjson(cluster, "get", "svc", "-n", ns, "-l", "tessera.dev/cluster")["items"],
-            "services collected",
-        )
+        garbage_collects_everything(cluster, ns, pool)
+
+
+def garbage_collects_everything(cluster: Any, ns: str, pool: dict[str, Any]) -> None:
+    apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL, replicas=2, router=pool)
+    wait_for(lambda: len(pod_names(cluster, ns)) == 12, "12 pods")
+    router = (
+        "deployment,serviceaccount,role,rolebinding,inferencepool",
+        *("-n", ns, "-l", "tessera.dev/router=smollm2"),
+    )
+    # The router's objects and the InferencePool, made under the chart's RBAC (the Role's
+    # rights are the operator's own).
+    wait_for(lambda: len(kjson(cluster, "get", *router)["items"]) == 5, "the router's objects")
+    made = kjson(cluster, "get", "inferencepool", "smollm2", "-n", ns)
+    assert made["spec"]["selector"]["matchLabels"]["tessera.dev/role"] == "leader"
+    assert made["spec"]["targetPorts"] == [{"number": 8000}]
+    # Owned as the rest.
+    [owner] = made["metadata"]["ownerReferences"]
+    assert owner["uid"] == ic(cluster, ns, "smollm2")["metadata"]["uid"] and owner["controller"] is True
+    role = kjson(cluster, "get", "role", "smollm2-router", "-n", ns)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    cluster.kubectl("delete", "ic", "smollm2", "-n", ns)
+    wait_for(lambda: not pod_names(cluster, ns), "pods collected", timeout=60)
+    wait_for(
+        lambda: not kjson(cluster, "get", "svc", "-n", ns, "-l", "tessera.dev/cluster")["items"],
+        "services collected",
+    )
+    wait_for(
+        lambda: not kjson(cluster, "get", *router)["items"], "the router's objects collected", timeout=60
+    )
 
 
 def test_cluster_wide_operator_serves_any_namespace(crds: Any, k8s_namespace: str) -> None:
@@ -331,3 +365,89 @@ def test_cluster_wide_operator_serves_any_namespace(crds: Any, k8s_namespace: st
             wait_for(lambda: len(pod_names(cluster, other)) == 6, "pods in another namespace")
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+
+
+@contextlib.contextmanager
+def stub_leader() -> Iterator[int]:
+    """A leader's /health and /metrics on 127.0.0.1 (what the router polls), on a free port."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"tessera:num_requests_waiting 0\n" if self.path == "/metrics" else b""
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+
+
+def test_the_router_follows_the_leaders_under_its_own_role_and_drops_a_leaving_one(
+    crds: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    cluster, ns = crds, k8s_namespace
+    with running_operator(cluster, ns), stub_leader() as leader_port:
+        apply_example(cluster, ns, "smollm2.yaml", parallelism=SMALL)
+        wait_for(lambda: "smollm2-g0-s0-t0" in pod_names(cluster, ns), "the leader pod")
+        deployment = wait_for(
+            lambda: kjson(cluster, "get", "deployment", "-n", ns, "-l", "tessera.dev/router=smollm2")[
+                "items"
+            ],
+            "the router's Deployment",
+        )[0]
+        set_pod_status(cluster, ns, "smollm2-g0-s0-t0", running(ready=True, pod_ip="127.0.0.1"))
+        # The Deployment's own command, as the router's ServiceAccount (bound by the operator's Role).
+        [container] = deployment["spec"]["template"]["spec"]["containers"]
+        port = free_port()
+        local = ["--host", "127.0.0.1", "--port", str(port), "--upstream-port", str(leader_port)]
+        env = dict(
+            os.environ, KUBECONFIG=cluster.user_kubeconfig(f"system:serviceaccount:{ns}:smollm2-router")
+        )
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO_ROOT)]))
+        log = (tmp_path / "router.log").open("wb")
+        argv = [sys.executable, "-m", "tessera.cli", *container["command"][1:], *container["args"], *local]
+        router = subprocess.Popen(
+            [*argv, "--poll-interval", "0.2"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+
+            def ready_endpoints() -> int | None:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                        return int(json.loads(answer.read())["ready_endpoints"])
+                except OSError:
+                    return None
+
+            wait_for(lambda: ready_endpoints() == 1, "the router routes to the Ready leader", timeout=60)
+            cluster.kubectl("label", "pod", "smollm2-g0-s0-t0", "tessera.dev/leaving=true", "-n", ns)
+            wait_for(lambda: ready_endpoints() == 0, "the router drops the leader marked leaving")
+            # Its pod Ready (the Deployment counts it): the client Service moves to the router.
+            [router_pod] = kjson(cluster, "get", "pods", "-n", ns, "-l", "tessera.dev/router=smollm2")[
+                "items"
+            ]
+            set_pod_status(
+                cluster, ns, router_pod["metadata"]["name"], running(ready=True, pod_ip="127.0.0.2")
+            )
+            wait_for(
+                lambda: (
+                    kjson(cluster, "get", "svc", "smollm2", "-n", ns)["spec"]["selector"]
+                    == {"tessera.dev/router": "smollm2", "app.kubernetes.io/managed-by": "tessera-operator"}
+                ),
+                "the client Service selects the router's pods",
+            )
+        except BaseException:
+            print((tmp_path / "router.log").read_text())
+            raise
+        finally:
+            router.terminate()
+            router.wait(timeout=20)
+            log.close()

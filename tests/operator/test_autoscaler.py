@@ -12,18 +12,21 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tessera_operator.api import AutoscalingSpec
+from tessera.router.metrics import RouterMetrics
+from tessera_operator.admission.validation import validate_policies
+from tessera_operator.api import AutoscalingSpec, InferenceClusterSpec
 from tessera_operator.reconcile.reconciler import Reconciler
 from tessera_operator.scaling.autoscaler import (
     History,
     QueueSample,
+    RouterSample,
     decide,
     parse_gauge,
     recommend,
     sample_of,
     seed,
 )
-from tessera_operator.scaling.queue_metrics import MAX_BODY_BYTES, metrics_url, queue_depths
+from tessera_operator.scaling.queue_metrics import MAX_BODY_BYTES, metrics_url, queue_depths, router_sample
 from tests.fixtures.loopback_http import serving
 from tests.operator.test_reconcile_unit import IC_PATH, fake_with_cluster
 
@@ -127,9 +130,65 @@ def test_without_any_measurement_only_the_bounds_apply() -> None:
     assert decide(spec(minReplicas=3), 1, nothing, History(), 0.0).desired == 3
 
 
-def test_min_replicas_must_leave_a_queue_to_measure() -> None:
-    with pytest.raises(ValueError, match=r"min_replicas|minReplicas"):
-        AutoscalingSpec.model_validate({"enabled": True, "minReplicas": 0})
+def test_min_replicas_zero_needs_the_router_which_counts_the_requests_at_zero() -> None:
+    base = {"model": {"source": "m"}, "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}}
+    assert validate_policies(InferenceClusterSpec.model_validate(base)) == []
+    off = InferenceClusterSpec.model_validate({**base, "router": {"enabled": False}})
+    [error] = validate_policies(off)
+    assert error.field == "spec.autoscaling.minReplicas" and "spec.router.enabled" in error.message
+
+
+def router(held: float = 0, inflight: float = 0, requests: float = 0, at_zero: float = 0) -> RouterSample:
+    return RouterSample(held, inflight, requests, at_zero)
+
+
+def test_the_last_group_goes_only_after_the_idle_window_and_comes_back_for_a_request() -> None:
+    settings = spec(minReplicas=0, scaleDownStabilizationSeconds=0, scaleToZeroSeconds=100)
+    idle = QueueSample(waiting=0, measured=1, unmeasured=0)
+    history = History()
+    # Busy through the router: requests open, then its counter moving, keep the last group.
+    assert decide(settings, 1, idle, history, 0.0, router(inflight=2, requests=5)).desired == 1
+    assert decide(settings, 1, idle, history, 50.0, router(requests=9)).desired == 1
+    quiet = decide(settings, 1, idle, history, 120.0, router(requests=9))
+    assert quiet.desired == 1 and "idle 70 s of 100" in quiet.reason  # the window runs from t=50
+    assert decide(settings, 1, idle, history, 149.0, router(requests=9)).desired == 1
+    # Blind (no router numbers): never to zero.
+    assert decide(settings, 1, idle, History(), 10_000.0, None).desired == 1
+    gone = decide(settings, 1, idle, history, 150.0, router(requests=9))
+    assert gone.desired == 0 and "scaling to zero" in gone.reason
+    # At zero: nothing arrives, nothing changes; a request arriving (counted, or still held) brings one.
+    none = QueueSample(waiting=0, measured=0, unmeasured=0)
+    assert decide(settings, 0, none, history, 160.0, router(requests=9)).desired == 0
+    back = decide(settings, 0, none, history, 170.0, router(requests=9, at_zero=1))
+    assert back.desired == 1 and "arrived at the router" in back.reason
+    assert decide(settings, 0, none, History(), 0.0, router(held=3)).desired == 1
+    assert decide(settings, 0, none, History(), 0.0, None).desired == 0  # no numbers: stays
+    # The group that came back is not taken away again before a full idle window.
+    assert decide(settings, 1, none, history, 180.0, router(requests=9, at_zero=1)).desired == 1
+
+
+def test_parked_at_zero_by_hand_stays_without_min_replicas_zero() -> None:
+    none = QueueSample(waiting=0, measured=0, unmeasured=0)
+    assert decide(spec(minReplicas=1), 0, none, History(), 0.0, router(held=5)).desired == 0
+
+
+async def test_the_router_series_are_read_by_their_names_from_the_routers_own_page(
+    metrics_server: tuple[int, dict[str, Any]],
+) -> None:
+    port, answer = metrics_server
+    page = RouterMetrics()  # the router's own exposition
+    page.held.set(2)
+    page.at_zero.inc(3)
+    page.requests.labels("http://10.0.0.1:8000").inc(7)
+    page.inflight.labels("http://10.0.0.1:8000").set(1)
+    answer["body"] = page.render().decode()
+    pods = [
+        leader_pod("127.0.0.1", port),
+        leader_pod("127.0.0.1", port),
+        leader_pod("127.0.0.1", closed_port()),
+    ]
+    assert await router_sample(pods) == RouterSample(4, 2, 14, 6, unanswered=1)
+    assert await router_sample(pods[2:]) is None
 
 
 def leader_pod(ip: str | None, port: int) -> dict[str, Any]:

@@ -518,7 +518,9 @@ def test_services_select_rank_pods_by_labels_only_the_operator_sets() -> None:
 
 def test_network_policies_only_when_enabled_and_select_by_operator_only_labels() -> None:
     assert builders.build_network_policies(REF, spec_of()) == []
-    spec = spec_of(networkPolicy={"enabled": True, "clientNamespaceSelector": {"team": "a"}})
+    spec = spec_of(
+        networkPolicy={"enabled": True, "clientNamespaceSelector": {"team": "a"}}, router={"enabled": False}
+    )
     ranks, clients = builders.build_network_policies(REF, spec)
     managed = {"app.kubernetes.io/managed-by": "tessera-operator"}
     assert ranks["metadata"]["name"] == "demo-ranks" and clients["metadata"]["name"] == "demo-clients"
@@ -565,3 +567,46 @@ def test_max_waiting_requests_reaches_the_leader_only_when_set() -> None:
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     assert parser.parse_args(args).max_waiting_requests == 7
+
+
+def test_the_pre_stop_hook_drains_the_leader_and_workers_outlive_it() -> None:
+    leader, worker = builders.build_group(REF, spec_of(), "r", 0)[:2]
+    hook = leader["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert hook == [
+        "tessera",
+        "drain",
+        "--url",
+        "http://127.0.0.1:8000",
+        "--min-seconds",
+        "5",
+        "--timeout",
+        "20",
+    ]
+    assert leader["spec"]["terminationGracePeriodSeconds"] == 30  # as before rollout.drainSeconds
+    worker_hook = worker["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert worker_hook[3] == "http://demo-g0-s0-t0.demo-ranks.ns.svc:8000"  # waits for its leader's drain
+    assert worker_hook[-2:] == ["--linger", str(builders.WORKER_LINGER_SECONDS)]
+    parser = argparse.ArgumentParser()
+    from tessera.entrypoints.drain import register_cli
+
+    register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(worker_hook[1:])  # the runtime's own flags accept the hook
+    assert (args.min_seconds, args.timeout, args.linger) == (5, 20, builders.WORKER_LINGER_SECONDS)
+    longer = builders.build_group(REF, spec_of(rollout={"drainSeconds": 120}), "r", 0)[0]
+    assert longer["spec"]["terminationGracePeriodSeconds"] == 130
+    assert longer["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "120"
+    # Not pod-affecting: a drain setting applies to groups made after it, and rolls none.
+    assert builders.revision_of(spec_of(rollout={"drainSeconds": 120})) == builders.revision_of(spec_of())
+
+
+def test_the_metrics_prefix_reaches_the_leader_only_when_not_the_default() -> None:
+    leader_args = builders.build_pod(REF, spec_of(), "r", 0, 0, 0)["spec"]["containers"][0]["args"]
+    assert builders.METRICS_PREFIX_FLAG not in leader_args  # existing pods do not roll
+    assert builders.revision_of(spec_of(engine={"metricsPrefix": "tessera"})) == builders.revision_of(
+        spec_of()
+    )
+    both = builders.build_pod(REF, spec_of(engine={"metricsPrefix": "both"}), "r", 0, 0, 0)
+    args = both["spec"]["containers"][0]["args"]
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert parser.parse_args(args).metrics_prefix == "both"  # the runtime's own flag

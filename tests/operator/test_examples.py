@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from tessera.topology import DEFAULT_API_PORT
-from tessera_operator import builders
+from tessera_operator import builders, naming
 from tessera_operator.admission.validation import validate_object
 from tessera_operator.api import InferenceClusterSpec
 
@@ -57,3 +57,36 @@ def test_the_network_policy_selects_the_pods_the_operator_builds() -> None:
     leaders = [lab for lab in labels if selects(clients["podSelector"], lab)]
     assert len(leaders) == 1 and leaders[0]["tessera.dev/role"] == "leader"
     assert clients["ingress"][0]["ports"] == [{"port": DEFAULT_API_PORT, "protocol": "TCP"}]
+    # The router's pods may call the leaders, as in the operator's own policy.
+    router = {"podSelector": {"matchLabels": naming.router_selector("smollm2")}}
+    assert router in clients["ingress"][0]["from"]
+
+
+AUTOSCALING = {
+    p.name: yaml.safe_load(p.read_text()) for p in sorted((EXAMPLES_DIR / "autoscaling").glob("*.yaml"))
+}
+
+
+@pytest.mark.parametrize("name", sorted(AUTOSCALING))
+def test_the_autoscaler_examples_target_the_scale_subresource_of_the_demo(name: str) -> None:
+    from tessera_operator import api, crdgen
+
+    crd = crdgen.build_crd()
+    [version] = crd["spec"]["versions"]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    target = AUTOSCALING[name]["spec"]["scaleTargetRef"]
+    assert target == {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": "smollm2"}
+
+
+def test_the_keda_example_scales_from_zero_on_the_queue_and_the_routers_held_requests() -> None:
+    from tessera.router.metrics import PREFIX as ROUTER_PREFIX
+
+    scaled = AUTOSCALING["keda-scaledobject.yaml"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1" and scaled["kind"] == "ScaledObject"
+    assert scaled["spec"]["minReplicaCount"] == 0
+    [trigger] = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert set(trigger["metadata"]) >= {"serverAddress", "query", "threshold"}
+    query = trigger["metadata"]["query"]
+    assert "vllm:num_requests_waiting" in query and f"{ROUTER_PREFIX}held_requests" in query
+    assert all(isinstance(v, str) for v in trigger["metadata"].values())  # KEDA takes strings only

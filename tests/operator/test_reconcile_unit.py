@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tessera_operator import builders
+from tessera_operator import builders, naming
 from tessera_operator.admission.podpolicy import PodPolicy
 from tessera_operator.kube import ApiError
 from tessera_operator.reconcile.events import Event
@@ -158,7 +158,7 @@ async def test_drifted_service_is_repaired_and_invalid_spec_is_reported_not_acte
     await reconciler.reconcile("ns", "demo")
     assert (
         client.objects["/api/v1/namespaces/ns/services/demo"]["spec"]["selector"]["tessera.dev/role"]
-        == "leader"
+        == "leader"  # the router has no Ready pod yet
     )
 
     bad = fake_with_cluster(parallelism={"tensor": 1, "pipeline": 2, "sequenceParallel": True})
@@ -932,3 +932,33 @@ def test_api_answers_decode_however_deep_the_api_server_stores_them_and_kopf_too
     import aiohttp
 
     assert getattr(aiohttp.ClientResponse.json, "_tessera", False)  # kopf's lists
+
+
+async def test_a_leader_is_marked_leaving_before_it_is_deleted() -> None:
+    client = fake_with_cluster(replicas=2)
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    client.objects[IC_PATH]["spec"]["replicas"] = 1  # scale-in: group 1 goes
+    client.calls.clear()
+    await reconciler.reconcile("ns", "demo")
+    leader, worker = "/api/v1/namespaces/ns/pods/demo-g1-s0-t0", "/api/v1/namespaces/ns/pods/demo-g1-s1-t1"
+    assert [c for c in client.calls if c[1] == leader] == [("PATCH", leader), ("DELETE", leader)]
+    assert [c for c in client.calls if c[1] == worker] == [("DELETE", worker)]
+
+
+async def test_the_client_service_moves_to_the_router_once_it_has_a_ready_pod() -> None:
+    client = fake_with_cluster()
+    reconciler = Reconciler(client, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    await reconciler.reconcile("ns", "demo")
+    service, deployment = (
+        "/api/v1/namespaces/ns/services/demo",
+        "/apis/apps/v1/namespaces/ns/deployments/demo-router",
+    )
+    assert client.objects[service]["spec"]["selector"] == naming.rank_leader_selector("demo")
+    client.objects[deployment]["status"] = {"readyReplicas": 1}
+    await reconciler.reconcile("ns", "demo")
+    assert client.objects[service]["spec"]["selector"] == naming.router_selector("demo")
+    client.objects[IC_PATH]["spec"]["router"] = {"enabled": False}  # off: back to the leaders at once
+    await reconciler.reconcile("ns", "demo")
+    assert client.objects[service]["spec"]["selector"] == naming.rank_leader_selector("demo")
+    assert deployment not in client.objects

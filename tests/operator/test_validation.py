@@ -39,7 +39,14 @@ def test_valid_object_has_no_errors() -> None:
         ({"parallelism": {"tensor": 1, "pipeline": 31}}, "spec.parallelism.pipeline"),
         ({"rollout": {"maxUnavailable": 0, "maxSurge": 0}}, "spec.rollout.maxUnavailable"),
         ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
-        ({"autoscaling": {"enabled": True, "minReplicas": 0}}, "spec.autoscaling.minReplicas"),
+        (  # the operator's autoscaler reads tessera:num_requests_waiting
+            {"autoscaling": {"enabled": True, "maxReplicas": 2}, "engine": {"metricsPrefix": "vllm"}},
+            "spec.engine.metricsPrefix",
+        ),
+        (  # scale to zero needs the router (it counts the requests at zero)
+            {"autoscaling": {"enabled": True, "minReplicas": 0}, "router": {"enabled": False}},
+            "spec.autoscaling.minReplicas",
+        ),
         ({"template": {"imagePullSecrets": ["Not A Name"]}}, "spec.template.imagePullSecrets[0]"),
         (
             {"restartPolicy": {"backoffBaseSeconds": 60, "backoffMaxSeconds": 10}},

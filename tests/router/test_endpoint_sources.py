@@ -43,10 +43,11 @@ async def test_the_file_is_reloaded_and_a_bad_rewrite_keeps_the_last_set(tmp_pat
         task.cancel()
 
 
-def pod(name: str, ip: str | None, ready: bool, deleting: bool = False) -> Any:
+def pod(name: str, ip: str | None, ready: bool, deleting: bool = False, leaving: bool = False) -> Any:
     condition = SimpleNamespace(type="Ready", status="True" if ready else "False")
+    labels = {"tessera.dev/leaving": "true"} if leaving else None
     return SimpleNamespace(
-        metadata=SimpleNamespace(name=name, deletion_timestamp="now" if deleting else None),
+        metadata=SimpleNamespace(name=name, deletion_timestamp="now" if deleting else None, labels=labels),
         status=SimpleNamespace(pod_ip=ip, conditions=[condition]),
     )
 
@@ -57,6 +58,7 @@ def test_only_ready_pods_not_being_deleted_are_endpoints() -> None:
     assert pod_endpoint(pod("p", "10.1.0.4", False), 8000) is None
     assert pod_endpoint(pod("p", "10.1.0.4", True, deleting=True), 8000) is None
     assert pod_endpoint(pod("p", None, True), 8000) is None
+    assert pod_endpoint(pod("p", "10.1.0.4", True, leaving=True), 8000) is None  # marked by the operator
 
 
 class FakeCoreApi:

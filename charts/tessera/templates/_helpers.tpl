@@ -97,4 +97,19 @@ HPA would). */}}
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["list", "create", "update", "delete"]
+# spec.router: each cluster's router Deployment, its ServiceAccount, and the Role (list and watch
+# pods, rights the operator holds itself: no escalate or bind) with its RoleBinding. Read by name.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "update", "delete"]
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "update", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "update", "delete"]
+# spec.router.inferencePool: the cluster's InferencePool (Gateway API inference extension).
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "update", "delete"]
 {{- end -}}

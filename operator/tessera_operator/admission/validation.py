@@ -149,6 +149,29 @@ def validate_policies(spec: InferenceClusterSpec) -> list[FieldError]:
         )
     if spec.autoscaling is not None and spec.autoscaling.min_replicas > spec.autoscaling.max_replicas:
         errors.append(FieldError("spec.autoscaling.minReplicas", "must be <= spec.autoscaling.maxReplicas"))
+    autoscaled = spec.autoscaling is not None and spec.autoscaling.enabled
+    if autoscaled and spec.engine.metrics_prefix == "vllm":
+        errors.append(
+            FieldError(
+                "spec.engine.metricsPrefix",
+                "vllm hides tessera:num_requests_waiting, which spec.autoscaling reads: use both",
+            )
+        )
+    if spec.router.inference_pool and spec.router.endpoint_picker is None:
+        errors.append(
+            FieldError(
+                "spec.router.endpointPicker",
+                "is needed with inferencePool: an InferencePool (v1) names its Endpoint Picker",
+            )
+        )
+    if spec.autoscaling is not None and spec.autoscaling.min_replicas == 0 and not spec.router.enabled:
+        errors.append(
+            FieldError(
+                "spec.autoscaling.minReplicas",
+                "0 needs spec.router.enabled: the router holds the requests that arrive at zero groups "
+                "and counts them, which is what scales the cluster up again",
+            )
+        )
     return errors
 
 

@@ -64,18 +64,12 @@ class GroupObservation:
 
     @property
     def leader(self) -> dict[str, Any] | None:
-        for pod in self.pods.values():
-            if pod["metadata"]["labels"].get(naming.ROLE_LABEL) == naming.LEADER:
-                return pod
-        return None
+        return next((pod for pod in self.pods.values() if is_leader(pod)), None)
 
     @property
     def leader_ready(self) -> bool:
         leader = self.leader
-        if leader is None:
-            return False
-        conditions = leader.get("status", {}).get("conditions") or []
-        return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        return leader is not None and pod_ready(leader)
 
     @property
     def all_running(self) -> bool:
@@ -169,6 +163,21 @@ class Observation:
 def running_revisions(pods: Iterable[dict[str, Any]]) -> set[str]:
     """The revisions the pods are labelled with."""
     return {p["metadata"].get("labels", {}).get(naming.REVISION_LABEL, "") for p in pods}
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def router_serves(deployment: dict[str, Any], uid: str) -> bool:
+    """The cluster's own router Deployment has a Ready pod."""
+    ready = (deployment.get("status") or {}).get("readyReplicas") or 0
+    return controlled_by(deployment, uid) and int(ready) >= 1
+
+
+def is_leader(pod: dict[str, Any]) -> bool:
+    return bool((pod["metadata"].get("labels") or {}).get(naming.ROLE_LABEL) == naming.LEADER)
 
 
 def controlled_by(pod: dict[str, Any], uid: str) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from tessera_operator import builders
+from tessera_operator import builders, router_builders
 from tessera_operator.builders import ClusterRef
 from tessera_operator.reconcile.observe import controlled_by, is_orphaned
 
@@ -37,10 +37,13 @@ class BudgetPlan:
     uid: str | None = None  # delete: the precondition (never a newer budget of the name)
 
 
-def plan_services(ref: ClusterRef, services: Iterable[dict[str, Any]]) -> list[ServicePlan]:
-    """The rendezvous (headless) and client Services, in that order."""
+def plan_services(
+    ref: ClusterRef, services: Iterable[dict[str, Any]], router: bool = False
+) -> list[ServicePlan]:
+    """The rendezvous (headless) and client Services, in that order; `router`: the client Service
+    selects the router's pods (spec.router.enabled)."""
     existing = {s["metadata"]["name"]: s for s in services}
-    desired = (builders.build_headless_service(ref), builders.build_client_service(ref))
+    desired = (builders.build_headless_service(ref), builders.build_client_service(ref, router))
     return [plan_service(ref, want, existing.get(want["metadata"]["name"])) for want in desired]
 
 
@@ -115,3 +118,42 @@ def adoption(orphan: dict[str, Any], ref: ClusterRef) -> dict[str, Any]:
     meta = orphan["metadata"]
     owners = [*(meta.get("ownerReferences") or []), builders.owner_reference(ref)]
     return {"metadata": {"uid": meta["uid"], "ownerReferences": owners}}
+
+
+OwnedAction = Literal["keep", "create", "update", "delete", "not_ours"]
+
+
+def plan_owned(
+    ref: ClusterRef, desired: dict[str, Any] | None, current: dict[str, Any] | None
+) -> OwnedAction:
+    """One object the cluster keeps whole (the router's): made, rewritten when its spec hash
+    differs from ours, or deleted when none is wanted. Another owner's is left alone (and said so
+    when we want one); an orphan of ours is adopted by the rewrite."""
+    if current is not None and not is_orphaned(current, ref.name) and not controlled_by(current, ref.uid):
+        return "keep" if desired is None else "not_ours"
+    if desired is None:
+        return "keep" if current is None else "delete"
+    if current is None:
+        return "create"
+    if is_orphaned(current, ref.name) or spec_hash_of(current) != spec_hash_of(desired):
+        return "update"
+    return "keep"
+
+
+def spec_hash_of(body: dict[str, Any]) -> str | None:
+    annotations = body.get("metadata", {}).get("annotations") or {}
+    return annotations.get(router_builders.SPEC_HASH_ANNOTATION)
+
+
+def updated_owned(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """The PUT body: the object as read (its resourceVersion: a 409 if it changed meanwhile) with
+    our fields, labels, annotations and owner."""
+    body = {**current, **{k: v for k, v in desired.items() if k != "metadata"}}
+    meta = current["metadata"]
+    body["metadata"] = {
+        **meta,
+        "labels": {**(meta.get("labels") or {}), **desired["metadata"]["labels"]},
+        "annotations": {**(meta.get("annotations") or {}), **desired["metadata"]["annotations"]},
+        "ownerReferences": desired["metadata"]["ownerReferences"],
+    }
+    return body

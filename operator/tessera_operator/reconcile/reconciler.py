@@ -33,7 +33,15 @@ from tessera_operator.config import PodPolicy
 from tessera_operator.fielderror import FieldError
 from tessera_operator.kube import ApiError, KubeClient, core_path, custom_path
 from tessera_operator.reconcile.events import Event, EventRecorder
-from tessera_operator.reconcile.observe import Observation, is_orphan, observe, running_revisions
+from tessera_operator.reconcile.observe import (
+    Observation,
+    is_leader,
+    is_orphan,
+    observe,
+    pod_ready,
+    router_serves,
+    running_revisions,
+)
 from tessera_operator.reconcile.owned_plans import ServicePlan, plan_services
 from tessera_operator.reconcile.planner import Plan, plan
 from tessera_operator.reconcile.status import build_status, degraded_status, intent_status
@@ -46,7 +54,7 @@ from tessera_operator.reconcile.writes import (
 )
 from tessera_operator.scaling import autoscaler
 from tessera_operator.scaling.plan import METRICS_UNAVAILABLE, ScalePlan, plan_scale, seconds_until_sample
-from tessera_operator.scaling.queue_metrics import queue_depths
+from tessera_operator.scaling.queue_metrics import queue_depths, router_sample
 from tessera_operator.timeutil import to_rfc3339
 
 log = logging.getLogger("tessera_operator.reconcile.reconciler")
@@ -86,6 +94,9 @@ class Seen:
 
     pods: list[dict[str, Any]]
     services: list[dict[str, Any]]
+    # The router's Deployment has a Ready pod: only then does the client Service select the router
+    # (a new router, or one turned on, must not take the leaders' traffic before it serves).
+    router_ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -252,11 +263,23 @@ class Reconciler:
     async def observe(self, read: Read) -> Seen:
         ref = read.ref
         selector = naming.selector_string(naming.cluster_selector(ref.name))
-        pods, services = await asyncio.gather(
+        pods, services, router = await asyncio.gather(
             self.client.list(core_path(ref.namespace, "pods"), selector),
             self.client.list(core_path(ref.namespace, "services"), selector),
+            self.read_router(ref),
         )
-        return Seen(await self.adopt_orphans(ref, pods), list(services))
+        ready = router is not None and router_serves(router, ref.uid)
+        return Seen(await self.adopt_orphans(ref, pods), list(services), ready)
+
+    async def read_router(self, ref: ClusterRef) -> dict[str, Any] | None:
+        """The router's Deployment, or None (none, or no right to read it: the leaders serve)."""
+        path = custom_path("apps", "v1", ref.namespace, "deployments", naming.router_name(ref.name))
+        try:
+            return dict(await self.client.get(path))
+        except ApiError as exc:
+            if exc.status in (403, 404):
+                return None
+            raise
 
     async def adopt_orphans(self, ref: ClusterRef, pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Adopts the orphans among the pods, as a ReplicaSet does (the planner then keeps, rolls or
@@ -312,7 +335,7 @@ class Reconciler:
             for pod in builders.build_group(ref, spec, revision, index)
             if pod["metadata"]["name"] not in existing
         ]
-        services = plan_services(ref, seen.services)
+        services = plan_services(ref, seen.services, spec.router.enabled and seen.router_ready)
         return Planned(spec, revision, observation, decision, status, to_create, services)
 
     # -- scale (a plan step with a write of its own: spec.replicas) ----------------------------
@@ -336,8 +359,9 @@ class Reconciler:
         groups = sorted(planned.observation.groups.items())
         ready = {i: g.leader for i, g in groups if g.leader_ready and g.leader}
         depths = dict(zip(ready, await queue_depths(list(ready.values()), settings.metric), strict=True))
+        router = await self.router_sample(ref) if settings.min_replicas == 0 else None
         try:  # pure; a bug here must cost this sample, never the pass (restarts, status)
-            scale = plan_scale(settings, spec.replicas, depths, history, tick)
+            scale = plan_scale(settings, spec.replicas, depths, history, tick, router)
         except Exception:
             log.exception("%s/%s: cannot decide a scale from %s", ref.namespace, ref.name, depths)
             history.last_sample = tick
@@ -355,6 +379,16 @@ class Reconciler:
         history.blind = scale.blind
         status = planned.status.model_copy(update={"autoscaling": scale.status(read.now, last_scale)})
         return replace(planned, status=status, next_sample=self.autoscale_interval)
+
+    async def router_sample(self, ref: ClusterRef) -> autoscaler.RouterSample | None:
+        """The router pods' series (minReplicas 0); None when none of its Ready pods answers."""
+        selector = naming.selector_string(naming.router_selector(ref.name))
+        try:
+            pods = await self.client.list(core_path(ref.namespace, "pods"), selector)
+        except ApiError as exc:
+            log.info("%s/%s: cannot list the router's pods: %s", ref.namespace, ref.name, exc)
+            return None
+        return await router_sample([pod for pod in pods if pod_ready(pod)])
 
     async def apply_scale(self, read: Read, scale: ScalePlan) -> bool | None:
         """True: scaled; False: refused for good (said in a Warning); None: a conflict."""
@@ -397,13 +431,18 @@ class Reconciler:
                 refused.append(exc)
                 to_create = []
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in seen.pods}
+        leaders = {p["metadata"]["name"] for p in seen.pods if is_leader(p)}
         pods_path = core_path(ref.namespace, "pods")
         refused += await refused_writes([
             *(self.writes.create(pods_path, pod) for pod in to_create),
             self.writes.services(ref, planned.services),
             self.writes.disruption_budget(ref, planned.spec, decision.surge),
             self.writes.network_policies(ref, planned.spec),
-            *(self.writes.delete_pod(ref.namespace, pod, uids.get(pod)) for pod in decision.delete_pods),
+            self.writes.router(ref, planned.spec),
+            *(
+                self.writes.delete_pod(ref.namespace, pod, uids.get(pod), pod in leaders)
+                for pod in decision.delete_pods
+            ),
         ])  # fmt: skip
         log.debug(
             "%s/%s: %d pods seen, %d created, %d deleted, groups %s",

@@ -24,10 +24,12 @@ from tessera_operator.reconcile.owned_plans import (
     plan_budget,
     repaired_service,
 )
+from tessera_operator.reconcile.router_writes import NotOurs, PoolUnavailable, write_router
 from tessera_operator.reconcile.status import merge_patch
 
 log = logging.getLogger("tessera_operator.reconcile.writes")
 FAILED_CREATE, FAILED_DELETE, FAILED_SCALE = "FailedCreate", "FailedDelete", "FailedScale"
+POOL_UNAVAILABLE = "InferencePoolUnavailable"
 
 
 class WriteRefused(Exception):
@@ -85,9 +87,14 @@ class Writes:
             raise refusal(FAILED_CREATE, what, exc) from exc
         return True
 
-    async def delete_pod(self, namespace: str, name: str, uid: str | None) -> None:
+    async def delete_pod(self, namespace: str, name: str, uid: str | None, leader: bool = False) -> None:
+        """A leader is first marked leaving: the router sends it nothing new while its preStop
+        hook waits for what it has (its delete alone would tell the router as soon)."""
+        path = core_path(namespace, "pods", name)
         try:
-            await self.client.delete(core_path(namespace, "pods", name), uid=uid)
+            if leader:
+                await self.client.merge_patch(path, {"metadata": {"labels": {naming.LEAVING_LABEL: "true"}}})
+            await self.client.delete(path, uid=uid)
         except ApiError as exc:
             if exc.status not in (404, 409):  # gone already, or replaced by a newer incarnation
                 raise refusal(FAILED_DELETE, f"deleting pod {name}", exc) from exc
@@ -251,3 +258,15 @@ class Writes:
         elif have.get("spec") != want["spec"]:  # a PUT: a merge patch would keep stale labels
             body = {**have, "spec": want["spec"]}  # its resourceVersion: 409 if changed meanwhile
             await self.client.request("PUT", f"{path}/{name}", body=body)
+
+    async def router(self, ref: ClusterRef, spec: InferenceClusterSpec) -> None:
+        """The router's Deployment, ServiceAccount, Role and RoleBinding (spec.router), or none."""
+        try:
+            await write_router(self.client, ref, spec)
+        except NotOurs as exc:
+            raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
+        except PoolUnavailable as exc:
+            raise WriteRefused(POOL_UNAVAILABLE, str(exc)) from exc
+        except ApiError as exc:
+            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
+                raise refusal(FAILED_CREATE, "updating the router", exc) from exc

@@ -9,6 +9,12 @@ serve while a lower one is down. A scale-down takes the highest recommendation o
 gap does not drop groups that take a minute to load); a scale-up is immediate but at most doubles
 the groups (or adds 4) per decision, as the HPA's default policy does.
 
+With minReplicas 0 the router's own series decide the ends (`RouterSample`): at zero groups, a
+request held at the router, or one counted as arrived at zero since the last sample, brings one
+group back; the last group goes only once the cluster saw no request for scaleToZeroSeconds (no
+new request through the router, none open there, none held, none waiting at a leader). Without
+the router's numbers neither happens: a blind autoscaler never removes the last group.
+
 The history lives in the operator's memory, as the HPA's does; a new operator process starts each
 cluster's window with its current replicas, so a restart never scales down early.
 """
@@ -36,6 +42,18 @@ class QueueSample:
 
 
 @dataclass(frozen=True)
+class RouterSample:
+    """The router pods' series, summed over the pods that answered: requests held with no group
+    Ready, open requests, and the counters of requests routed and of requests that arrived at zero."""
+
+    held: float
+    inflight: float
+    requests: float
+    at_zero: float
+    unanswered: int = 0  # Ready router pods that did not answer
+
+
+@dataclass(frozen=True)
 class Decision:
     desired: int
     recommendation: int  # before stabilization and limits
@@ -49,6 +67,8 @@ class History:
     recommendations: list[tuple[float, int]] = field(default_factory=list)
     last_sample: float | None = None
     blind: bool = False  # Ready leaders exist but none answered the last sample
+    last_router: RouterSample | None = None  # the router's counters at the last sample
+    active_at: float | None = None  # when the cluster last saw a request (minReplicas 0)
 
     def record(self, now: float, replicas: int, window: float) -> int:
         """Adds `replicas` and returns the highest recommendation within `window` seconds."""
@@ -119,13 +139,75 @@ def recommend(spec: AutoscalingSpec, current: int, sample: QueueSample) -> tuple
     return wanted, described
 
 
+def demand_at_zero(router: RouterSample | None, last: RouterSample | None) -> str | None:
+    """Why a cluster at zero groups needs one (None: no reason): requests held at the router, or
+    arrived there at zero since the last sample (a counter that changed at all: a router pod that
+    restarted resets its counters)."""
+    if router is None:
+        return None
+    if router.held > 0:
+        return f"{router.held:g} requests held at the router"
+    if last is not None and router.at_zero != last.at_zero:
+        return "requests arrived at the router with no group Ready"
+    return None
+
+
+def router_activity(
+    sample: QueueSample, router: RouterSample | None, last: RouterSample | None
+) -> str | None:
+    """What shows the cluster is in use now (None: nothing). Unknown (no router sample) counts as
+    in use: the last group never goes blind."""
+    if router is None or router.unanswered:
+        return "the router's metrics are unavailable"
+    if (demand := demand_at_zero(router, last)) is not None:
+        return demand
+    if router.inflight > 0 or sample.waiting > 0:
+        return "requests are open"
+    if last is None or router.requests != last.requests:
+        return "requests went through the router"
+    return None
+
+
 def decide(
+    spec: AutoscalingSpec,
+    current: int,
+    sample: QueueSample,
+    history: History,
+    now: float,
+    router: RouterSample | None = None,
+) -> Decision:
+    """The replicas to set now; `history` records this recommendation. `router`: the router's
+    series, read only with minReplicas 0 (None there: unavailable)."""
+    to_zero = spec.min_replicas == 0
+    demand = demand_at_zero(router, history.last_router) if to_zero else None
+    activity = router_activity(sample, router, history.last_router) if to_zero else None
+    if to_zero:
+        if router is not None:
+            history.last_router = router
+        if activity is not None or history.active_at is None:
+            history.active_at = now
+    if current == 0:
+        history.last_sample = now
+        if demand is not None:
+            history.recommendations = [(now, 1)]  # the new group holds the window from now
+            return Decision(1, 1, f"scaling from zero: {demand}")
+        # Parked by hand (`kubectl scale --replicas=0`) with minReplicas >= 1: as the HPA, leave it so.
+        reason = "scaled to zero: a request at the router brings a group back" if to_zero else ""
+        return Decision(0, 0, reason or "scaled to zero: autoscaling waits until replicas are set again")
+    decision = _decide_groups(spec, current, sample, history, now)
+    if decision.desired == 0:
+        assert history.active_at is not None
+        idle = now - history.active_at
+        if activity is not None or idle < spec.scale_to_zero_seconds:
+            why = activity or f"idle {idle:.0f} s of {spec.scale_to_zero_seconds:g}"
+            return Decision(1, decision.recommendation, f"{decision.reason}; keeping the last group: {why}")
+        return Decision(0, 0, f"no request for {idle:.0f} s: scaling to zero")
+    return decision
+
+
+def _decide_groups(
     spec: AutoscalingSpec, current: int, sample: QueueSample, history: History, now: float
 ) -> Decision:
-    """The replicas to set now; `history` records this recommendation."""
-    if current == 0:  # parked by hand (`kubectl scale --replicas=0`): as the HPA, leave it so
-        history.last_sample = now
-        return Decision(0, 0, "scaled to zero: autoscaling waits until replicas are set again")
     wanted, reason = recommend(spec, current, sample)
     bounded = min(max(wanted, spec.min_replicas), spec.max_replicas)
     stabilized = history.record(now, bounded, spec.scale_down_stabilization_seconds)

@@ -9,7 +9,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tessera_operator.api import AutoscalingSpec, AutoscalingStatus
-from tessera_operator.scaling.autoscaler import Decision, History, QueueSample, decide, sample_of
+from tessera_operator.scaling.autoscaler import (
+    Decision,
+    History,
+    QueueSample,
+    RouterSample,
+    decide,
+    sample_of,
+)
 from tessera_operator.timeutil import to_rfc3339
 
 SCALED_UP, SCALED_DOWN, METRICS_UNAVAILABLE = "ScaledUp", "ScaledDown", "MetricsUnavailable"
@@ -55,11 +62,12 @@ def plan_scale(
     depths: Mapping[int, float | None],
     history: History,
     tick: float,
+    router: RouterSample | None = None,
 ) -> ScalePlan:
     """`depths`: by group index, one per Ready leader (None: no answer). Records the
     recommendation in `history` (its blindness is the caller's to record once it is said)."""
     sample = sample_of(depths, replicas)
-    decision = decide(settings, replicas, sample, history, tick)
+    decision = decide(settings, replicas, sample, history, tick, router)
     blind = bool(depths) and sample.measured == 0
     warning = None
     if blind and not history.blind:

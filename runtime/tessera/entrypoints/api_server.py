@@ -35,6 +35,7 @@ from tessera.engine.errors import RequestFailedError, ServerShuttingDownError
 from tessera.entrypoints.api_key import ApiKeyGuard
 from tessera.entrypoints.body_guard import BodyGuard
 from tessera.entrypoints.http_limits import guarded_protocol, raise_open_file_limit
+from tessera.entrypoints.in_flight import IN_FLIGHT_PATH, InFlight, InFlightCounter
 from tessera.entrypoints.limits import ServingLimits
 from tessera.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -82,6 +83,8 @@ DOCS_PATHS = ("/docs", "/redoc", "/openapi.json")
 PROTECTED_PATHS = ("/v1", "/tokenize", "/detokenize", *DOCS_PATHS)
 # The only routes whose request bodies are read; any other body is never read (BodyGuard).
 BODY_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+# What `tessera drain` waits for: the requests that run the model.
+MODEL_WORK_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 async def require_json(request: Request) -> None:
@@ -133,8 +136,11 @@ def build_app(
     no_docs: dict[str, Any] = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="Tessera OpenAI-compatible server", lifespan=engine_lifespan(ctx.engine), **no_docs)
     add_error_handlers(app)
+    in_flight = InFlight(MODEL_WORK_PATHS)
     add_guards(app, ctx.limits, api_key, allowed_origins, body_timeout)
-    add_probe_routes(app, ctx.engine)
+    # Added last, so it runs first: a request counts from its arrival (its body still coming).
+    app.add_middleware(InFlightCounter, in_flight=in_flight)
+    add_probe_routes(app, ctx.engine, in_flight)
     add_model_routes(app, ctx)
     add_api_routes(app, ctx)
     return app
@@ -201,8 +207,13 @@ def add_guards(
         )
 
 
-def add_probe_routes(app: FastAPI, engine: AsyncLLM) -> None:
-    """What probes and Prometheus read: open even with an API key, as in vLLM."""
+def add_probe_routes(app: FastAPI, engine: AsyncLLM, in_flight: InFlight) -> None:
+    """What probes and Prometheus read: open even with an API key, as in vLLM; /in-flight for
+    `tessera drain`, a pod's preStop hook."""
+
+    @app.get(IN_FLIGHT_PATH)
+    async def open_requests() -> dict[str, int]:
+        return {"in_flight": in_flight.count}
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     @app.api_route("/ping", methods=["GET", "POST"])  # SageMaker's probe, as vLLM serves it

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.router.endpoints import Publish
-from tessera.router.labels import leader_pod_selector
+from tessera.router.labels import LEAVING_LABEL, leader_pod_selector
 
 logger = logging.getLogger("tessera.router")
 
@@ -20,8 +20,10 @@ RETRY_S = 2.0  # after an API error
 
 
 def pod_endpoint(pod: Any, port: int) -> str | None:
-    """A pod's endpoint if it is Ready and not being deleted, else None."""
+    """A pod's endpoint if it is Ready, not being deleted nor marked leaving, else None."""
     if pod.metadata.deletion_timestamp is not None or pod.status is None or not pod.status.pod_ip:
+        return None
+    if LEAVING_LABEL in (pod.metadata.labels or {}):  # its group goes: it finishes what it has
         return None
     ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or ())
     if not ready:

@@ -7,6 +7,8 @@ CLUSTER_LABEL = "tessera.dev/cluster"
 ROLE_LABEL = "tessera.dev/role"
 LEADER = "leader"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "tessera-operator"}
+# Set by the operator on a leader it is about to delete: the router sends it nothing new.
+LEAVING_LABEL = "tessera.dev/leaving"
 
 
 def leader_pod_selector(cluster: str) -> str:
