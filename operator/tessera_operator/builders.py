@@ -291,6 +291,26 @@ def container_command(spec: InferenceClusterSpec, leader: bool) -> tuple[list[st
     return ["tessera", "worker"], []
 
 
+def pod_security_context() -> dict[str, Any]:
+    """Every pod the operator makes (rank pods, the router's): non-root, the runtime's user."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "runAsGroup": RUNTIME_UID,
+        "fsGroup": RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    """Every container the operator makes: no privilege escalation, read-only root, no capabilities."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
 def resources_for(spec: InferenceClusterSpec) -> dict[str, Any]:
     resources = copy.deepcopy(spec.template.resources or {})
     gpus = spec.template.gpus_per_rank * spec.template.ranks_per_pod  # every rank of the pod its own
@@ -434,11 +454,7 @@ def rank_container(
         "ports": ports,
         "resources": resources_for(spec),
         "volumeMounts": mounts,
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(),
     }
     container["lifecycle"] = {"preStop": {"exec": {"command": drain_command(spec, topology)}}}
     if leader:
@@ -488,13 +504,7 @@ def rank_pod_spec(
         "automountServiceAccountToken": False,
         # 30 with the default drain, as before rollout.drainSeconds.
         "terminationGracePeriodSeconds": spec.rollout.drain_seconds + SHUTDOWN_SECONDS,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUNTIME_UID,
-            "runAsGroup": RUNTIME_UID,
-            "fsGroup": RUNTIME_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
     }

@@ -18,9 +18,10 @@ from tessera_operator import naming
 from tessera_operator.api import InferenceClusterSpec
 from tessera_operator.builders import (
     HEALTH_PATH,
-    RUNTIME_UID,
     ClusterRef,
+    container_security_context,
     owner_reference,
+    pod_security_context,
 )
 
 ROUTER_CONTAINER = "router"
@@ -74,11 +75,7 @@ def router_container(ref: ClusterRef, spec: InferenceClusterSpec) -> dict[str, A
         # 200 at zero endpoints too: a router pod is Ready while it runs (it holds requests itself).
         "readinessProbe": {"httpGet": {"path": HEALTH_PATH, "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": HEALTH_PATH, "port": "http"}, "periodSeconds": 10},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security_context(),
     }
 
 
@@ -90,13 +87,7 @@ def build_router_deployment(ref: ClusterRef, spec: InferenceClusterSpec) -> dict
         "enableServiceLinks": False,
         # Held requests and open streams: the router finishes them on SIGTERM within this.
         "terminationGracePeriodSeconds": int(spec.router.hold_seconds) + 30,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUNTIME_UID,
-            "runAsGroup": RUNTIME_UID,
-            "fsGroup": RUNTIME_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [router_container(ref, spec)],
         "volumes": [{"name": naming.TMP_VOLUME, "emptyDir": {}}],
     }
