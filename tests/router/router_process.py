@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from tessera.ports import free_port
-from tests.serving.server import REPO_ROOT, wait_healthy
+from tests.serving.server import REPO_ROOT, stop_process, wait_healthy
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -48,11 +48,5 @@ class RouterProcess:
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
         self._log.close()

@@ -39,6 +39,17 @@ def wait_healthy(
     raise TimeoutError(f"{base_url} not healthy after {timeout_s:.0f} s")
 
 
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 20 s, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -98,13 +109,7 @@ class ServerProcess:
         raise LookupError("engine core process not found")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
         self._log.close()
 
 
