@@ -78,12 +78,15 @@ def workload(num_requests: int, prompt_len: int, seed: int = 0) -> list[dict[str
     ]
 
 
-def measure(model: str, layout: dict[str, Any], prompts: list[Any], output_len: int) -> dict[str, Any]:
+def measure(
+    model: str, layout: dict[str, Any], prompts: list[Any], output_len: int, **engine_args: Any
+) -> dict[str, Any]:
+    """Offline output tokens/s of ``layout`` and each rank's communication statistics
+    (``engine_args`` over the defaults: moe_throughput.py sizes its cache otherwise)."""
     from tessera import LLM, SamplingParams
 
-    llm = LLM(
-        model, num_threads=1, max_num_seqs=len(prompts), max_model_len=512, kv_cache_memory=1 << 30, **layout
-    )
+    engine_args = {"max_model_len": 512, "kv_cache_memory": 1 << 30, **engine_args}
+    llm = LLM(model, num_threads=1, max_num_seqs=len(prompts), **layout, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     try:
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm up
@@ -92,7 +95,7 @@ def measure(model: str, layout: dict[str, Any], prompts: list[Any], output_len: 
         started = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - started
-        ranks = executor.collective_rpc("comm_stats") if llm.config.world_size > 1 else []
+        ranks = executor.collective_rpc("comm_stats")
         num_layers = json.loads((llm.engine.model_dir / "config.json").read_text())["num_hidden_layers"]
     finally:
         llm.engine.shutdown()

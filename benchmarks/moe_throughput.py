@@ -21,12 +21,16 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from common import environment_info, new_figure, save_figure, write_json
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the tiny models are built by the tests' own fixture
+
+import distributed_throughput  # noqa: E402
+from common import environment_info, new_figure, save_figure, write_json  # noqa: E402
 
 HIDDEN, LAYERS, EXPERTS, TOP_K, EXPERT_INTERMEDIATE = 256, 4, 8, 2, 256
 SHAPE = {"num_layers": LAYERS, "hidden": HIDDEN, "heads": 4, "kv_heads": 2, "vocab": 512, "max_position": 512}
@@ -73,36 +77,16 @@ def active_parameters(model_dir: Path) -> dict[str, int]:
 
 
 def measure(model: Path, layout: dict[str, Any], prompts: list[Any], output_len: int) -> dict[str, Any]:
-    from tessera import LLM, SamplingParams
-
-    llm = LLM(
-        str(model), num_threads=1, max_num_seqs=len(prompts), max_model_len=256, num_kv_blocks=512, **layout
+    """distributed_throughput's measurement, with each rank's share of step time in the MoE phases."""
+    result = distributed_throughput.measure(
+        str(model), layout, prompts, output_len, max_model_len=256, kv_cache_memory=None, num_kv_blocks=512
     )
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    try:
-        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm up
-        executor = llm.engine.executor
-        executor.collective_rpc("reset_comm_stats")
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - started
-        ranks = executor.collective_rpc("comm_stats")
-    finally:
-        llm.engine.shutdown()
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    for rank in ranks:
+    for rank in result["ranks"]:
         busy = rank["step_seconds"] or 1e-9
         for phase in ("routing", "exchange", "experts"):
             rank[f"moe_{phase}_share"] = rank[f"moe_{phase}_seconds"] / busy
         rank["all_to_all_bytes_per_step"] = rank["all_to_all_bytes_sent"] / max(rank["steps"], 1)
-    return {
-        "layout": layout,
-        "seconds": seconds,
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / seconds,
-        "ranks": ranks,
-        "token_ids": [o.outputs[0].token_ids for o in outputs],
-    }
+    return result
 
 
 def peer_present() -> bool:
