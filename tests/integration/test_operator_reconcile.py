@@ -338,6 +338,15 @@ def garbage_collects_everything(cluster: Any, ns: str, pool: dict[str, Any]) -> 
     made = kjson(cluster, "get", "inferencepool", "smollm2", "-n", ns)
     assert made["spec"]["selector"]["matchLabels"]["tessera.dev/role"] == "leader"
     assert made["spec"]["targetPorts"] == [{"number": 8000}]
+    # Kept whole by the released v1 schema (a field it lacks would have been pruned), its defaults
+    # filled in.
+    assert made["spec"]["endpointPickerRef"] == {
+        "name": "smollm2-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+        "group": "",
+        "kind": "Service",
+    }
     # Owned as the rest.
     [owner] = made["metadata"]["ownerReferences"]
     assert owner["uid"] == ic(cluster, ns, "smollm2")["metadata"]["uid"] and owner["controller"] is True
