@@ -109,7 +109,32 @@ async def _key_ref(api: KubeApi, kind: str, namespace: str, ref: Mapping[str, An
     return data[ref["key"]]
 
 
-async def container_env(api: KubeApi, pod: Mapping[str, Any], container: Mapping[str, Any]) -> dict[str, str]:
+def api_service_env(host: str, port: int) -> dict[str, str]:
+    """The variables the kubelet gives every container for the `kubernetes` Service (whatever
+    enableServiceLinks says): in-cluster clients find the API server through them."""
+    url = f"tcp://{host}:{port}"
+    prefix = f"KUBERNETES_PORT_{port}_TCP"
+    return {
+        "KUBERNETES_SERVICE_HOST": host,
+        "KUBERNETES_SERVICE_PORT": str(port),
+        "KUBERNETES_SERVICE_PORT_HTTPS": str(port),
+        "KUBERNETES_PORT": url,
+        prefix: url,
+        f"{prefix}_PROTO": "tcp",
+        f"{prefix}_PORT": str(port),
+        f"{prefix}_ADDR": host,
+    }
+
+
+async def container_env(
+    api: KubeApi,
+    pod: Mapping[str, Any],
+    container: Mapping[str, Any],
+    service_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The container's environment: the machine's pass-throughs, then `service_env` (the
+    kubelet's Service variables), then envFrom, then env (each later one wins, and $(VAR) sees
+    the earlier ones)."""
     namespace = pod["metadata"]["namespace"]
     env = {name: os.environ[name] for name in PASSED_THROUGH if name in os.environ}
     env.update(
@@ -117,6 +142,7 @@ async def container_env(api: KubeApi, pod: Mapping[str, Any], container: Mapping
         HOME=os.environ.get("HOME", "/root"),
         HOSTNAME=pod["spec"].get("hostname") or pod["metadata"]["name"],
     )
+    env.update(service_env or {})
     for source in container.get("envFrom") or []:
         for kind in ("configMap", "secret"):
             ref = source.get(f"{kind}Ref")

@@ -80,8 +80,8 @@ def up() -> int:
         return 1
     kubectl = Kubectl(info)
     print(kubectl.run("apply", "-n", NAMESPACE, "-f", str(EXAMPLE)), end="")
-    # The node agent mounts no ServiceAccount token into a pod: a router could not watch the
-    # leaders there, so the client Service selects them directly.
+    # The client Service selects the leaders directly: the demo shows the ranks' own answers
+    # (the router runs on this cluster too: tests/e2e's router test).
     router_off = json.dumps({"spec": {"router": {"enabled": False}}})
     kubectl.run("patch", "ic", NAME, "-n", NAMESPACE, "--type", "merge", "-p", router_off)
     print("waiting for 6 rank pods (2 stages x 3 TP ranks) to rendezvous and warm up ...")

@@ -65,7 +65,9 @@ def _fresh_namespace(cluster: LocalCluster) -> Iterator[str]:
     deadline = time.monotonic() + 60
     while not cluster.service_account_ready(name):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"default ServiceAccount in namespace {name} never got a token")
+            raise TimeoutError(
+                f"default ServiceAccount or kube-root-ca.crt in namespace {name} never appeared"
+            )
         time.sleep(0.1)
     yield name
     # The namespace controller finalizes the contents in the background.

@@ -28,7 +28,9 @@ class KubeApi:
         context = next(c["context"] for c in config["contexts"] if c["name"] == context_name)
         cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
         user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
-        tls = ssl.create_default_context(cafile=cluster["certificate-authority"])
+        self.server = str(cluster["server"])
+        self.ca_file = str(cluster["certificate-authority"])
+        tls = ssl.create_default_context(cafile=self.ca_file)
         headers = {}
         if "token" in user:
             headers["Authorization"] = f"Bearer {user['token']}"

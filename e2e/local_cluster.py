@@ -379,6 +379,10 @@ class LocalCluster:
                 "--service-account-issuer=https://kubernetes.default.svc",
                 "--api-audiences=https://kubernetes.default.svc",
                 "--service-cluster-ip-range=10.96.0.0/16",
+                # ServiceAccount admission then gives pods a projected volume (a token the node
+                # agent asks the TokenRequest API for, bound to the pod; the cluster CA from the
+                # kube-root-ca.crt ConfigMap; the namespace), as from Kubernetes 1.21 on.
+                "--feature-gates=BoundServiceAccountTokenVolume=true",
                 "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
                 "--profiling=false",
@@ -512,14 +516,16 @@ class LocalCluster:
         return self.service_account_ready("default")
 
     def service_account_ready(self, namespace: str, name: str = "default") -> bool:
-        """True once the ServiceAccount exists with a token secret (1.20 pods need one to be admitted)."""
-        try:
-            sa = self.api("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
-        except urllib.error.HTTPError as error:
-            if error.code == 404:
-                return False
-            raise
-        return bool(sa.get("secrets"))
+        """True once pods of the ServiceAccount are admitted and start at once: it exists, and so
+        does the namespace's kube-root-ca.crt ConfigMap their token volume takes the CA from."""
+        for path in (f"serviceaccounts/{name}", "configmaps/kube-root-ca.crt"):
+            try:
+                self.api("GET", f"/api/v1/namespaces/{namespace}/{path}")
+            except urllib.error.HTTPError as error:
+                if error.code == 404:
+                    return False
+                raise
+        return True
 
 
 def pointer_file() -> Path:

@@ -2,8 +2,10 @@
 
 It registers its Nodes (distinct `kubernetes.io/hostname` labels, so the scheduler's placement
 rules show), runs every pod bound to them (`e2e.pod_runtime`) in a network namespace of its own
-(`e2e.podnet`), serves the cluster DNS to those pods (`e2e.pod_dns`), writes pod status, and
-finishes graceful deletions. On SIGTERM it stops every pod and removes its whole network.
+(`e2e.podnet`), serves the cluster DNS to those pods (`e2e.pod_dns`), forwards their bridge's
+gateway port 443 to the API server (the `kubernetes` Service that in-cluster clients find through
+`KUBERNETES_SERVICE_HOST`, with the token the agent projects into their pods), writes pod status,
+and finishes graceful deletions. On SIGTERM it stops every pod and removes its whole network.
 
     python -m e2e.node_agent --kubeconfig K --state-dir D --agent-id ab12cd --node n0 --node n1
 """
@@ -24,8 +26,9 @@ import httpx
 from e2e import podnet
 from e2e.kube_api import KubeApi, run_until_signalled
 from e2e.node_objects import node_object, node_ready_status
-from e2e.pod_dns import DnsServer, build_records
+from e2e.pod_dns import API_SERVICE_NAME, DnsServer, build_records
 from e2e.pod_runtime import DEFAULT_GRACE_SECONDS, PodRuntime
+from e2e.service_proxy import FixedForwarder
 
 SYNC_SECONDS = 0.3
 DNS_REFRESH_SECONDS = 1.0
@@ -43,6 +46,9 @@ class NodeAgent:
         self.state_dir = state_dir
         self.network = podnet.PodNetwork(agent_id, len(self.nodes))
         self.dns = DnsServer()
+        api_url = httpx.URL(api.server)
+        self.api_forwarder = FixedForwarder(api_url.host, api_url.port or 443)
+        self._api_listener: asyncio.Server | None = None
         self.pods: dict[str, PodRuntime] = {}
         self._deleting: dict[str, asyncio.Task[None]] = {}
 
@@ -50,6 +56,9 @@ class NodeAgent:
         try:
             self.network.create()
             await self.dns.start(self.network.gateway)
+            self._api_listener = await asyncio.start_server(
+                self.api_forwarder.handle, self.network.gateway, podnet.API_PORT
+            )
             await self._register_nodes()
             log.info("nodes %s ready, pod network 10.%d.0.0/16", self.nodes, self.network.second_octet)
             last_dns = last_heartbeat = 0.0
@@ -63,7 +72,10 @@ class NodeAgent:
                     await self._sync_pods(listed)
                     if now - last_dns > DNS_REFRESH_SECONDS:
                         endpoints = (await self.api.get("/api/v1/endpoints"))["items"]
-                        self.dns.records = build_records(endpoints, listed)
+                        records = build_records(endpoints, listed)
+                        # Its Endpoints hold the host's loopback: pods reach it at the gateway.
+                        records[API_SERVICE_NAME] = [self.network.gateway]
+                        self.dns.records = records
                         last_dns = now
                 except httpx.HTTPError:
                     log.exception("sync failed; retrying")  # the apiserver restarting, say
@@ -155,6 +167,8 @@ class NodeAgent:
             return_exceptions=True,
         )
         self.pods.clear()
+        if self._api_listener is not None:
+            self._api_listener.close()
         self.dns.close()
         self.network.destroy()
         log.info("stopped: every pod and the pod network are gone")

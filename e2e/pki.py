@@ -10,10 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# The apiserver is reached on loopback, and in-cluster clients would use these names.
+from e2e import podnet
+
+# The apiserver is reached on loopback by the host, by pods at their bridge's gateway (the node
+# agent forwards it: `KUBERNETES_SERVICE_HOST`), and in-cluster clients would use these names.
 SERVER_SANS = (
     "IP:127.0.0.1",
     "IP:10.96.0.1",
+    *(f"IP:{address}" for address in podnet.every_gateway_address()),
     "DNS:localhost",
     "DNS:kubernetes",
     "DNS:kubernetes.default",

@@ -8,6 +8,7 @@ outside the cluster get NXDOMAIN: it never forwards, so pods only ever reach thi
   <hostname>.<svc>.<ns>.svc.cluster.local   the endpoint address carrying that hostname (pods
                                             with spec.hostname and spec.subdomain = <svc>)
   <a-b-c-d>.<ns>.pod.cluster.local          the pod IP a.b.c.d
+  kubernetes.default.svc.cluster.local      where the node agent forwards to the API server
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 DOMAIN = "cluster.local"
+API_SERVICE_NAME = f"kubernetes.default.svc.{DOMAIN}"
 TYPE_A = 1
 CLASS_IN = 1
 RCODE_NXDOMAIN = 3

@@ -2,9 +2,9 @@
 
 Each container runs under `unshare --mount` (private propagation), and a short shell prologue
 bind-mounts every emptyDir of the pod (a folder under the pod's state dir; `medium: Memory` is a
-tmpfs) and every secret volume (its keys written as files, as the kubelet projects them, and bound
-read-only) at its mountPath, the image's baked-in artefacts (the host's Tessera cache, read-only, at
-/opt/tessera/cache), and remounts the root read-only when the container asks for it. The mounts
+tmpfs) and every secret and projected volume (its files written as the kubelet projects them, a
+ServiceAccount token included, and bound read-only) at its mountPath, the image's baked-in
+artefacts (the host's Tessera cache, read-only, at /opt/tessera/cache), and remounts the root read-only when the container asks for it. The mounts
 live only in that namespace, so they vanish with the container's last process: nothing to undo.
 
 The host folders that stand for the image's programs (the project with its venv, the Python it
@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from e2e.container_spec import ContainerConfigError
+import httpx
+
+from e2e.container_spec import ContainerConfigError, field_value, resource_field_value
 from e2e.kube_api import KubeApi
 
 # Where the runtime image keeps its prebuilt model conversions and CPU kernels (images/runtime-cpu.Dockerfile).
@@ -77,11 +79,12 @@ def container_mounts(pod: Mapping[str, Any], container: Mapping[str, Any], pod_d
     for mount in container.get("volumeMounts") or []:
         volume = volumes.get(mount["name"], {})
         read_only = bool(mount.get("readOnly"))
-        if "secret" in volume:  # written by write_secret_volumes before the container starts
-            mounts.append(Mount(mount["mountPath"], str(_secret_dir(pod_dir, mount["name"])), True))
+        if "secret" in volume or "projected" in volume:  # written by write_volumes; always read-only
+            mounts.append(Mount(mount["mountPath"], str(_volume_dir(pod_dir, volume)), True))
         elif "emptyDir" not in volume:
             log.warning(
-                "volume %r is neither an emptyDir nor a secret: not mounted by the node agent", mount["name"]
+                "volume %r is no emptyDir, secret or projected volume: not mounted by the node agent",
+                mount["name"],
             )
         elif (volume["emptyDir"] or {}).get("medium") == "Memory":
             mounts.append(Mount(mount["mountPath"], None, read_only))
@@ -92,38 +95,118 @@ def container_mounts(pod: Mapping[str, Any], container: Mapping[str, Any], pod_d
     return mounts
 
 
-def _secret_dir(pod_dir: Path, volume: str) -> Path:
-    return pod_dir / "secret-volumes" / volume
+def _volume_dir(pod_dir: Path, volume: Mapping[str, Any]) -> Path:
+    kind = "secret" if "secret" in volume else "projected"
+    return pod_dir / f"{kind}-volumes" / volume["name"]
 
 
-async def write_secret_volumes(api: KubeApi, pod: Mapping[str, Any], pod_dir: Path) -> None:
-    """As the kubelet: each secret volume's keys (or its `items`) as files of the volume's mode,
-    read afresh at every container start. A missing Secret or key keeps the pod from starting
-    (the kubelet's MountVolume.SetUp failure), unless the volume is optional."""
-    namespace = pod["metadata"]["namespace"]
+# What the API server's bound token volume (BoundServiceAccountTokenVolume) asks for when the
+# projection gives no lifetime, as the kubelet defaults it.
+TOKEN_EXPIRATION_SECONDS = 3600
+File = tuple[str, bytes, int]  # path in the volume, content, mode
+
+
+async def write_volumes(api: KubeApi, pod: Mapping[str, Any], pod_dir: Path) -> None:
+    """As the kubelet, read afresh at every container start: each secret volume's keys (or its
+    `items`), and each projected volume's sources (secrets, ConfigMaps, the downward API, and a
+    ServiceAccount token the TokenRequest API issues bound to this pod), as files of their modes.
+    A missing object or key keeps the pod from starting (the kubelet's MountVolume.SetUp
+    failure), unless its source is optional."""
     for volume in pod["spec"].get("volumes") or []:
-        source = volume.get("secret")
-        if source is None:
+        if "secret" in volume:
+            source = volume["secret"]
+            mode = int(source.get("defaultMode", 0o644))
+            files = await _keyed_files(api, pod, "secret", source["secretName"], source, mode)
+        elif "projected" in volume:
+            files = []
+            mode = int(volume["projected"].get("defaultMode", 0o644))
+            for projection in volume["projected"].get("sources") or []:
+                files += await _projected_files(api, pod, projection, mode)
+        else:
             continue
-        secret = await api.get_or_none(f"/api/v1/namespaces/{namespace}/secrets/{source['secretName']}")
-        data = {k: base64.b64decode(v) for k, v in ((secret or {}).get("data") or {}).items()}
-        if secret is None and not source.get("optional"):
-            raise ContainerConfigError(
-                f"secret {source['secretName']!r} of volume {volume['name']!r} not found"
-            )
-        items = source.get("items") or [{"key": key, "path": key} for key in data]
-        folder = _secret_dir(pod_dir, volume["name"])
+        folder = _volume_dir(pod_dir, volume)
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True, mode=0o755)
-        for item in items:
-            if item["key"] not in data:
-                if source.get("optional"):
-                    continue
-                raise ContainerConfigError(f"secret {source['secretName']!r} has no key {item['key']!r}")
-            path = folder / item["path"]
+        for relative, content, file_mode in files:
+            path = folder / relative
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data[item["key"]])
-            path.chmod(int(item.get("mode", source.get("defaultMode", 0o644))))
+            path.write_bytes(content)
+            path.chmod(file_mode)
+
+
+async def _projected_files(
+    api: KubeApi, pod: Mapping[str, Any], projection: Mapping[str, Any], mode: int
+) -> list[File]:
+    if "secret" in projection or "configMap" in projection:
+        kind = "secret" if "secret" in projection else "configMap"
+        source = projection[kind]
+        return await _keyed_files(api, pod, kind, source["name"], source, mode)
+    if "downwardAPI" in projection:
+        return [
+            (item["path"], _downward_value(pod, item).encode(), int(item.get("mode", mode)))
+            for item in projection["downwardAPI"].get("items") or []
+        ]
+    if "serviceAccountToken" in projection:
+        source = projection["serviceAccountToken"]
+        return [(source["path"], (await request_token(api, pod, source)).encode(), mode)]
+    raise ContainerConfigError(f"unsupported projected volume source {sorted(projection)}")
+
+
+async def _keyed_files(
+    api: KubeApi, pod: Mapping[str, Any], kind: str, name: str, source: Mapping[str, Any], mode: int
+) -> list[File]:
+    """The keys of a Secret or ConfigMap (all, or the `items` asked for) as files."""
+    namespace = pod["metadata"]["namespace"]
+    item = await api.get_or_none(f"/api/v1/namespaces/{namespace}/{kind.lower()}s/{name}")
+    if item is None:
+        if source.get("optional"):
+            return []
+        raise ContainerConfigError(f"{kind} {name!r} of a volume not found")
+    if kind == "secret":
+        data = {k: base64.b64decode(v) for k, v in (item.get("data") or {}).items()}
+    else:
+        data = {k: str(v).encode() for k, v in (item.get("data") or {}).items()}
+        data.update({k: base64.b64decode(v) for k, v in (item.get("binaryData") or {}).items()})
+    files = []
+    for wanted in source.get("items") or [{"key": key, "path": key} for key in data]:
+        if wanted["key"] not in data:
+            if source.get("optional"):
+                continue
+            raise ContainerConfigError(f"{kind} {name!r} has no key {wanted['key']!r}")
+        files.append((wanted["path"], data[wanted["key"]], int(wanted.get("mode", mode))))
+    return files
+
+
+def _downward_value(pod: Mapping[str, Any], item: Mapping[str, Any]) -> str:
+    if "fieldRef" in item:
+        return field_value(pod, item["fieldRef"]["fieldPath"])
+    if "resourceFieldRef" in item:  # a volume's reference names its container
+        return resource_field_value(pod, pod["spec"]["containers"][0], item["resourceFieldRef"])
+    raise ContainerConfigError(f"unsupported downwardAPI item {sorted(item)}")
+
+
+async def request_token(api: KubeApi, pod: Mapping[str, Any], source: Mapping[str, Any]) -> str:
+    """A token of the pod's ServiceAccount from the TokenRequest API, bound to this pod (it stops
+    authenticating once the pod is gone), for the projection's audience (else the API server's)."""
+    meta = pod["metadata"]
+    account = pod["spec"].get("serviceAccountName") or "default"
+    body = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {
+            "audiences": [source["audience"]] if source.get("audience") else [],
+            "expirationSeconds": int(source.get("expirationSeconds", TOKEN_EXPIRATION_SECONDS)),
+            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"], "uid": meta["uid"]},
+        },
+    }
+    path = f"/api/v1/namespaces/{meta['namespace']}/serviceaccounts/{account}/token"
+    try:
+        answer = await api.request("POST", path, body)
+    except httpx.HTTPStatusError as error:
+        raise ContainerConfigError(
+            f"token of service account {account!r}: {error.response.status_code} {error.response.text[:200]}"
+        ) from error
+    return str(answer["status"]["token"])
 
 
 def ensure_mount_points(mounts: list[Mount]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from e2e import pod_mounts, podnet
-from e2e.container_spec import ContainerConfigError, container_argv, container_env
+from e2e.container_spec import ContainerConfigError, api_service_env, container_argv, container_env
 from e2e.kube_api import KubeApi
 
 BACKOFF_INITIAL_SECONDS = 1.0  # the kubelet starts at 10 s; tests should not wait that long
@@ -142,12 +142,18 @@ class PodRuntime:
         a missing ConfigMap, say, is retried until it appears, as the kubelet does)."""
         assert self.sandbox is not None
         status_for_env = {**self.pod, "status": {"podIP": self.sandbox.address, "hostIP": self.host_ip}}
+        service_env = api_service_env(self.network.gateway, podnet.API_PORT)
         self.config_error = ""
-        for container in self.containers:
+        try:
+            await pod_mounts.write_volumes(self.api, self.pod, self.dir)
+        except ContainerConfigError as error:
+            self.config_error = str(error)
+            for container in self.containers:
+                container.waiting = ("ContainerCreating", str(error))  # the kubelet's volume wait
+        for container in self.containers if not self.config_error else []:
             try:
-                container.env = await container_env(self.api, status_for_env, container.spec)
+                container.env = await container_env(self.api, status_for_env, container.spec, service_env)
                 container_argv(container.spec, container.env)
-                await pod_mounts.write_secret_volumes(self.api, self.pod, self.dir)
             except ContainerConfigError as error:
                 container.waiting = ("CreateContainerConfigError", str(error))
                 self.config_error = str(error)

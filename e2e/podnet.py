@@ -2,7 +2,8 @@
 
 Layout of one agent's private range 10.B.0.0/16 (B picked free on this machine, never routed
 anywhere: pods get no default route and the host does not forward):
-  10.B.0.1        the bridge's own address: gateway and the cluster DNS server
+  10.B.0.1        the bridge's own address: gateway, the cluster DNS server, and the pods' way
+                  to the API server (port 443, the agent forwards it to the host's apiserver)
   10.B.N.1        node N's host address (its `hostIP`), also on the bridge
   10.B.N.2-254    pod addresses of node N
 Every name this module creates starts with `tsr<id>`, so `sweep(id)` can remove all of it even
@@ -29,6 +30,18 @@ NETNS_ETC = Path("/etc/netns")
 CLUSTER_DOMAIN = "cluster.local"
 # Second octets tried for a private range (10.255 is avoided: some hosts keep resolvers there).
 FREE_RANGE_CANDIDATES = range(200, 250)
+# Where pods reach the API server: the gateway's port of the `kubernetes` Service.
+API_PORT = 443
+
+
+def gateway_address(second_octet: int) -> str:
+    return f"10.{second_octet}.0.1"
+
+
+def every_gateway_address() -> list[str]:
+    """Each address a gateway may get: the API server's certificate names them all, so pods
+    verify it at whichever range their agent picked (after the certificate was made)."""
+    return [gateway_address(b) for b in FREE_RANGE_CANDIDATES]
 
 
 IP = shutil.which("ip") or "/usr/sbin/ip"  # pods' own PATH must not decide which `ip` runs
@@ -90,7 +103,7 @@ class PodNetwork:
 
     @property
     def gateway(self) -> str:
-        return f"10.{self.second_octet}.0.1"
+        return gateway_address(self.second_octet)
 
     def host_ip(self, node_index: int) -> str:
         return f"10.{self.second_octet}.{node_index + 1}.1"

@@ -47,27 +47,20 @@ def ready_targets(
     return targets
 
 
-class ServiceProxy:
-    def __init__(self, api: KubeApi, namespace: str, service: str, port: int) -> None:
-        self.api = api
-        self.path = f"/api/v1/namespaces/{namespace}"
-        self.service = service
-        self.port = port
-        self._targets: list[tuple[str, int]] = []
-        self._read_at = 0.0
-        self._turn = itertools.count()
+class TcpForwarder:
+    """Accepts connections and splices each to the upstream `_connect` picks (bytes untouched,
+    half-closes passed on); one that cannot be reached resets the client's connection."""
+
+    name = "upstream"
+
+    def __init__(self) -> None:
         # asyncio keeps only weak references to tasks, and a client's connection drops its own
         # once the client closes: a connection still waiting on its pod was then collected
         # mid-flight ("Task was destroyed but it is pending"), its pod connection never closed.
         self._connections: set[asyncio.Task[Any]] = set()
 
-    async def _current_targets(self, refresh: bool = False) -> list[tuple[str, int]]:
-        if refresh or time.monotonic() - self._read_at > ENDPOINTS_TTL_SECONDS:
-            service = await self.api.get(f"{self.path}/services/{self.service}")
-            endpoints = await self.api.get_or_none(f"{self.path}/endpoints/{self.service}")
-            self._targets = ready_targets(service, endpoints, self.port)
-            self._read_at = time.monotonic()
-        return self._targets
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        raise NotImplementedError
 
     async def handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -77,7 +70,7 @@ class ServiceProxy:
         try:
             upstream_reader, upstream_writer = await self._connect()
         except Exception as error:
-            log.info("cannot reach %s:%d: %r", self.service, self.port, error)
+            log.info("cannot reach %s: %r", self.name, error)
             _reset(client_writer)
             return
         peer = upstream_writer.get_extra_info("peername")
@@ -87,6 +80,39 @@ class ServiceProxy:
         for writer in (client_writer, upstream_writer):
             writer.close()
         log.debug("connection to %s done after %.1f s", peer, time.monotonic() - started)
+
+
+class FixedForwarder(TcpForwarder):
+    """Forwards every connection to one address (the node agent's way from pods to the API server)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__()
+        self.host, self.port = host, port
+        self.name = f"{host}:{port}"
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.wait_for(asyncio.open_connection(self.host, self.port), CONNECT_TIMEOUT_SECONDS)
+
+
+class ServiceProxy(TcpForwarder):
+    def __init__(self, api: KubeApi, namespace: str, service: str, port: int) -> None:
+        super().__init__()
+        self.api = api
+        self.path = f"/api/v1/namespaces/{namespace}"
+        self.service = service
+        self.port = port
+        self.name = f"{service}:{port}"
+        self._targets: list[tuple[str, int]] = []
+        self._read_at = 0.0
+        self._turn = itertools.count()
+
+    async def _current_targets(self, refresh: bool = False) -> list[tuple[str, int]]:
+        if refresh or time.monotonic() - self._read_at > ENDPOINTS_TTL_SECONDS:
+            service = await self.api.get(f"{self.path}/services/{self.service}")
+            endpoints = await self.api.get_or_none(f"{self.path}/endpoints/{self.service}")
+            self._targets = ready_targets(service, endpoints, self.port)
+            self._read_at = time.monotonic()
+        return self._targets
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """The next ready endpoint, tried once, as kube-proxy does: a pod that refuses the

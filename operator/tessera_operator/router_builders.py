@@ -1,7 +1,9 @@
 """Pure functions: an InferenceCluster spec -> its router's objects (spec.router; docs/router.md).
 
-The router is a Deployment running `tessera router --kube-cluster <name>` from the ranks' image,
-confined as the rank pods are, with a ServiceAccount of its own whose namespaced Role lets it
+The router is a Deployment running `tessera router --kube-cluster <name> --model <source>` from
+the ranks' image, confined as the rank pods are (it reads the model's tokenizer, never its
+weights, from where the ranks find the model: the image's prebuilt cache, or the template's
+volume that holds a model path, mounted read-only), with a ServiceAccount of its own whose namespaced Role lets it
 list and watch pods (all it asks the API: kube_source.py) and nothing else. Every object is
 owned by the InferenceCluster: deleting the cluster deletes them.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from pathlib import PurePosixPath
 from typing import Any
 
 from tessera.topology import DEFAULT_API_PORT
@@ -47,21 +50,42 @@ def _metadata(ref: ClusterRef) -> dict[str, Any]:
 
 
 def router_args(ref: ClusterRef, spec: InferenceClusterSpec) -> list[str]:
-    """The router's flags: the leaders of this cluster, its hold-at-zero limits, the leaders' block size."""
+    """The router's flags: the leaders of this cluster, the model whose tokenizer gives the
+    prompts' block hashes (prefix scoring) with the leaders' block size, its hold-at-zero limits."""
     router = spec.router
     return [
         "--kube-cluster", ref.name,
         "--kube-namespace", ref.namespace,
         "--upstream-port", str(DEFAULT_API_PORT),
         "--port", str(DEFAULT_API_PORT),
+        "--model", spec.model.source,
         "--block-size", str(spec.engine.block_size),
         "--hold-max", str(router.max_held_requests),
         "--hold-timeout", f"{router.hold_seconds:g}",
     ]  # fmt: skip
 
 
+def model_volumes(spec: InferenceClusterSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, read-only mounts) of the template's that hold spec.model.source when it is a
+    path (a Hugging Face folder or .gguf file on a volume); none for an alias (the image has it)."""
+    source = PurePosixPath(spec.model.source)
+    if not source.is_absolute():
+        return [], []
+    template = spec.template
+    mounts = [
+        {**copy.deepcopy(mount), "readOnly": True}
+        for mount in template.volume_mounts
+        if mount.get("mountPath")
+        and source.is_relative_to(str(mount["mountPath"]))
+        and mount.get("name") not in naming.OPERATOR_VOLUMES
+    ]
+    names = {mount["name"] for mount in mounts}
+    return [copy.deepcopy(v) for v in template.volumes if v.get("name") in names], mounts
+
+
 def router_container(ref: ClusterRef, spec: InferenceClusterSpec) -> dict[str, Any]:
     template = spec.template
+    _, model_mounts = model_volumes(spec)
     return {
         "name": ROUTER_CONTAINER,
         "image": template.image,
@@ -71,7 +95,7 @@ def router_container(ref: ClusterRef, spec: InferenceClusterSpec) -> dict[str, A
         "env": [{"name": "HOME", "value": naming.TMP_DIR}, {"name": "TMPDIR", "value": naming.TMP_DIR}],
         "ports": [{"name": "http", "containerPort": DEFAULT_API_PORT, "protocol": "TCP"}],
         "resources": copy.deepcopy(spec.router.resources or {}),
-        "volumeMounts": [{"name": naming.TMP_VOLUME, "mountPath": naming.TMP_DIR}],
+        "volumeMounts": [{"name": naming.TMP_VOLUME, "mountPath": naming.TMP_DIR}, *model_mounts],
         # 200 at zero endpoints too: a router pod is Ready while it runs (it holds requests itself).
         "readinessProbe": {"httpGet": {"path": HEALTH_PATH, "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": HEALTH_PATH, "port": "http"}, "periodSeconds": 10},
@@ -89,7 +113,7 @@ def build_router_deployment(ref: ClusterRef, spec: InferenceClusterSpec) -> dict
         "terminationGracePeriodSeconds": int(spec.router.hold_seconds) + 30,
         "securityContext": pod_security_context(),
         "containers": [router_container(ref, spec)],
-        "volumes": [{"name": naming.TMP_VOLUME, "emptyDir": {}}],
+        "volumes": [{"name": naming.TMP_VOLUME, "emptyDir": {}}, *model_volumes(spec)[0]],
     }
     if template.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": secret} for secret in template.image_pull_secrets]

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,14 @@ from e2e.ic_progress import (
 )
 from e2e.local_cluster import LocalCluster
 from e2e.request_loop import RequestLoop, connection_per_request_client
+from tessera_operator.naming import router_selector
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = yaml.safe_load((ROOT / "examples" / "smollm2.yaml").read_text())
-# The node agent mounts no ServiceAccount token into a pod: a router there could not watch the
-# leaders, so the client Service selects them directly (spec.router off).
+# The tests of the leaders' own behaviour (failures, rollouts, scaling) take the client Service
+# straight to them (spec.router off); test_the_router_... runs the router in front of them.
 DEMO["spec"]["router"] = {"enabled": False}
 NAME = DEMO["metadata"]["name"]
 SERVED = DEMO["spec"]["model"]["servedName"]
@@ -339,3 +341,67 @@ def test_pods_the_scheduler_cannot_place_stall_the_cluster_naming_why(
         assert events["items"], "no PodsNotStarting event"
     finally:
         local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def _ready_replicas(ctx: Ctx, deployment: str) -> int:
+    got = ctx.cluster.kubectl("get", "deploy", deployment, "-n", ctx.ns, "-o", "json", check=False)
+    return (
+        int((json.loads(got.stdout).get("status") or {}).get("readyReplicas", 0))
+        if got.returncode == 0
+        else 0
+    )
+
+
+def _router_series(metrics: str, name: str) -> dict[str, float]:
+    """{labels: value} of one router series in a Prometheus text page."""
+    series = {}
+    for line in metrics.splitlines():
+        if line.startswith(f"tessera_router_{name}"):
+            key, _, value = line.rpartition(" ")
+            series[key.removeprefix(f"tessera_router_{name}")] = float(value)
+    return series
+
+
+def test_the_router_takes_the_client_service_once_ready_and_routes_by_prefix(
+    local_cluster_full: LocalCluster, operator: ChartOperator
+) -> None:
+    """spec.router turned on for a serving cluster: the router pod watches the leaders through
+    the API with its ServiceAccount token and tokenizes prompts with the model's tokenizer; the
+    client Service selects it as soon as its Deployment is Ready (its watch event, not the next
+    resync 30 s later), and routes the second of two alike prompts by their prefix."""
+    namespace = "e2e-router"
+    local_cluster_full.kubectl("create", "namespace", namespace, check=False)
+    ctx = Ctx(local_cluster_full, namespace)
+    doc: dict[str, Any] = yaml.safe_load(yaml.safe_dump(DEMO))
+    doc["metadata"]["name"] = "routed"
+    doc["spec"]["parallelism"] = {"tensor": 1, "pipeline": 1}
+    ctx.apply(doc)
+    try:
+        ctx.wait_ready("routed")
+        doc["spec"]["router"] = {"enabled": True}
+        ctx.apply(doc)
+        deadline = time.monotonic() + 60
+        while _ready_replicas(ctx, "routed-router") != 1:
+            assert time.monotonic() < deadline, "the router's pod never turned Ready"
+            time.sleep(0.2)
+        router_ready = time.monotonic()
+        while ctx.get_json("get", "svc", "routed", "-n", namespace)["spec"]["selector"] != router_selector(
+            "routed"
+        ):
+            assert time.monotonic() - router_ready < 5, "the client Service did not move to the Ready router"
+            time.sleep(0.2)
+
+        url = local_cluster_full.expose(namespace, "routed", 8000)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=2)
+        # Several blocks of 16 tokens: the second request finds the first's blocks at the leader.
+        prompt = "A prefix cache keeps the KV blocks of prompts it has seen. " * 6
+        for _ in range(2):
+            reply = client.completions.create(model=SERVED, prompt=prompt, max_tokens=4, temperature=0)
+            assert reply.choices[0].text
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    finally:
+        local_cluster_full.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    assert _router_series(metrics, "ready_endpoints") == {"": 1.0}  # it found the leader by watching
+    decisions = _router_series(metrics, "decisions_total")
+    assert decisions['{reason="prefix"}'] == 1.0 and decisions['{reason="load"}'] == 1.0, decisions
+    assert _router_series(metrics, "prefix_index_entries")[""] > 0

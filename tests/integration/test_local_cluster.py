@@ -172,6 +172,9 @@ def test_rbac_denies_a_non_admin_user_until_a_role_binds_it(
     assert "Forbidden" in cannot_create.stderr
 
 
+SA_MOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
 def test_pods_bind_to_the_fake_node_and_tests_can_play_the_kubelet(
     k8s_cluster: LocalCluster, k8s_namespace: str
 ) -> None:
@@ -196,12 +199,15 @@ def test_pods_bind_to_the_fake_node_and_tests_can_play_the_kubelet(
     )
     phase = k8s_cluster.kubectl("get", "pod", "p", "-n", ns, "-o", "jsonpath={.status.phase}").stdout
     assert phase == "Running"
-    # The ServiceAccount admission plugin mounted the namespace's default token.
+    # The ServiceAccount admission plugin added the bound token volume (BoundServiceAccountTokenVolume,
+    # as from 1.21 on): a token the kubelet requests for the pod, the cluster CA, the namespace.
     got = json.loads(k8s_cluster.kubectl("get", "pod", "p", "-n", ns, "-o", "json").stdout)
     assert got["spec"]["serviceAccountName"] == "default"
-    assert any(
-        v.get("secret", {}).get("secretName", "").startswith("default-token-") for v in got["spec"]["volumes"]
-    )
+    [volume] = [v for v in got["spec"]["volumes"] if v["name"].startswith("kube-api-access-")]
+    sources = [sorted(source) for source in volume["projected"]["sources"]]
+    assert sources == [["serviceAccountToken"], ["configMap"], ["downwardAPI"]]
+    mount = got["spec"]["containers"][0]["volumeMounts"][0]
+    assert mount == {"name": volume["name"], "mountPath": SA_MOUNT_PATH, "readOnly": True}
 
 
 def test_etcd_answers_only_a_client_with_a_certificate_of_the_clusters_ca(k8s_cluster: LocalCluster) -> None:

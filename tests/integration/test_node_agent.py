@@ -449,3 +449,80 @@ def test_a_rank_container_has_a_read_only_root_its_secret_volume_and_drains_befo
     # wait for, then the linger), not a moment.
     assert float(line.split()[1]) - deleted_at >= builders.WORKER_DRAIN_SECONDS - 1
     eventually(lambda: pod_gone(cluster, ns, "probe"), "the pod is deleted", timeout=30)
+
+
+# As the router's kube source does: the `kubernetes` client's in-cluster configuration (the
+# token, CA and namespace files, KUBERNETES_SERVICE_HOST/PORT), then what its RBAC allows.
+IN_CLUSTER_CLIENT = textwrap.dedent(
+    """
+    import base64, json, os, ssl, urllib.request
+    from kubernetes import client, config
+    FILES = "/var/run/secrets/kubernetes.io/serviceaccount"
+    config.load_incluster_config()
+    api = client.CoreV1Api()
+    namespace = open(f"{FILES}/namespace").read()
+    print("pods", sorted(p.metadata.name for p in api.list_namespaced_pod(namespace).items))
+    try:
+        api.list_namespaced_secret(namespace)
+        print("secrets allowed")
+    except client.ApiException as error:
+        print("secrets", error.status)
+    token = open(f"{FILES}/token").read()
+    claims = json.loads(base64.urlsafe_b64decode(token.split(".")[1] + "=="))
+    print("bound to", claims["kubernetes.io"]["pod"]["name"], claims["kubernetes.io"]["serviceaccount"]["name"])
+    try:
+        open(f"{FILES}/token", "w")
+    except OSError as error:
+        print("token file", error.strerror)
+    # The Service's name resolves too, and the API server's certificate holds it.
+    tls = ssl.create_default_context(cafile=f"{FILES}/ca.crt")
+    version = urllib.request.urlopen("https://kubernetes.default.svc/version", context=tls, timeout=10)
+    print("version", json.load(version)["major"], "host", os.environ["KUBERNETES_SERVICE_HOST"])
+    """
+)
+NO_TOKEN = (
+    "import os; print('token files', os.path.exists('/var/run/secrets/kubernetes.io/serviceaccount/token'))"
+)
+
+
+def test_pods_reach_the_api_server_as_their_service_account(
+    local_cluster_full: LocalCluster, full_namespace: str
+) -> None:
+    cluster, ns = local_cluster_full, full_namespace
+    reader = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader"}}
+    quiet = {**reader, "metadata": {"name": "quiet"}, "automountServiceAccountToken": False}
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "pod-reader"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "pod-reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": ns}],
+    }
+    apply(cluster, ns, reader, quiet, role, binding)
+    never = {"restartPolicy": "Never"}
+    apply(
+        cluster,
+        ns,
+        pod("client", [PYTHON, "-c", IN_CLUSTER_CLIENT], serviceAccountName="reader", **never),
+        pod("opted-out", [PYTHON, "-c", NO_TOKEN], automountServiceAccountToken=False, **never),
+        pod("quiet", [PYTHON, "-c", NO_TOKEN], serviceAccountName="quiet", **never),
+    )
+    for name in ("client", "opted-out", "quiet"):
+        done = eventually(lambda n=name: phase_is(cluster, ns, n, "Succeeded", "Failed"), f"{name} ends")
+        assert done["status"]["phase"] == "Succeeded", cluster.container_log(ns, name, "main")
+    gateway = podnet.gateway_address(int(done["status"]["podIP"].split(".")[1]))
+    assert cluster.container_log(ns, "client", "main").splitlines() == [
+        "pods ['client', 'opted-out', 'quiet']",
+        "secrets 403",  # authenticated as the ServiceAccount, which RBAC lets list pods only
+        "bound to client reader",
+        "token file Read-only file system",
+        f"version 1 host {gateway}",
+    ]
+    for name in ("opted-out", "quiet"):  # the pod's own field, else its ServiceAccount's
+        assert cluster.container_log(ns, name, "main") == "token files False\n"

@@ -353,7 +353,8 @@ def test_helm_install_grants_least_privilege(crds: Any, k8s_namespace: str) -> N
         assert can("create", "deployments.apps", ns) and can("update", f"roles.{rbac}", ns)
         assert can("create", f"rolebindings.{rbac}", ns) and can("delete", "serviceaccounts", ns)
         assert not can("escalate", f"roles.{rbac}", ns) and not can("bind", f"roles.{rbac}", ns)
-        assert not can("list", "deployments.apps", ns) and not can("list", f"roles.{rbac}", ns)
+        assert not can("list", f"roles.{rbac}", ns) and not can("list", "serviceaccounts", ns)
+        assert can("watch", "deployments.apps", ns)  # the router's turning Ready moves the Service
         own = f"validatingwebhookconfigurations/{release}-operator-{ns}.tessera.dev"
         assert can("patch", own, ns) and not can("delete", own, ns)
         assert not can("patch", "validatingwebhookconfigurations/someone-elses", ns)

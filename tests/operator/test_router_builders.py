@@ -62,6 +62,31 @@ def test_the_router_runs_the_ranks_image_confined_and_its_flags_parse() -> None:
     args = parser.parse_args(container["args"])  # the router's own flag definitions accept them
     assert (args.kube_cluster, args.kube_namespace, args.upstream_port) == ("demo", "ns", 8000)
     assert (args.hold_max, args.hold_timeout, args.block_size) == (9, 12.5, 16)
+    assert args.model == "llama-3.1-8b-instruct"  # the ranks' source: prefix scoring on
+    assert [v["name"] for v in pod_spec["volumes"]] == [naming.TMP_VOLUME]  # an alias: the image has it
+
+
+def test_the_router_mounts_read_only_the_template_volume_that_holds_the_model_and_no_other() -> None:
+    spec = spec_of(
+        model={"source": "/models/llama/8b"},
+        template={
+            "volumes": [
+                {"name": "weights", "persistentVolumeClaim": {"claimName": "llama"}},
+                {"name": "scratch", "emptyDir": {}},
+            ],
+            "volumeMounts": [
+                {"name": "weights", "mountPath": "/models/llama"},
+                {"name": "scratch", "mountPath": "/models/llama-scratch"},  # a prefix, not a parent
+            ],
+        },
+    )
+    pod_spec = router_builders.build_router_objects(REF, spec)[3]["spec"]["template"]["spec"]
+    assert pod_spec["volumes"][1:] == [{"name": "weights", "persistentVolumeClaim": {"claimName": "llama"}}]
+    [container] = pod_spec["containers"]
+    assert container["volumeMounts"][1:] == [
+        {"name": "weights", "mountPath": "/models/llama", "readOnly": True}
+    ]
+    assert container["args"][container["args"].index("--model") + 1] == "/models/llama/8b"
 
 
 def test_the_router_may_only_list_and_watch_pods_of_its_namespace() -> None:

@@ -98,10 +98,12 @@ HPA would). */}}
   resources: ["networkpolicies"]
   verbs: ["list", "create", "update", "delete"]
 # spec.router: each cluster's router Deployment, its ServiceAccount, and the Role (list and watch
-# pods, rights the operator holds itself: no escalate or bind) with its RoleBinding. Read by name.
+# pods, rights the operator holds itself: no escalate or bind) with its RoleBinding. Read by name;
+# Deployments are watched too (by the cluster label), so the client Service moves to a router
+# as soon as it is Ready.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "create", "update", "delete"]
+  verbs: ["get", "list", "watch", "create", "update", "delete"]
 - apiGroups: [""]
   resources: ["serviceaccounts"]
   verbs: ["get", "create", "update", "delete"]

@@ -1,8 +1,8 @@
 """kopf wiring, deliberately thin: events only enqueue a cluster key; the work queue reconciles.
 
 Handlers are coroutines: kopf runs plain functions in a thread pool, and the work queue
-belongs to the event loop. Owned pods and Services are watched by `ownedwatch` (kopf's
-per-event bookkeeping is too costly for hundreds of pods). No kopf state-machine handlers (on.create/update with progress annotations) and no daemons
+belongs to the event loop. Owned pods, Services and router Deployments are watched by
+`ownedwatch` (kopf's per-event bookkeeping is too costly for hundreds of pods). No kopf state-machine handlers (on.create/update with progress annotations) and no daemons
 (which would add finalizers): every pass is level-based, so events are hints, and the
 periodic resync catches anything a missed event would hide. Deletion is left to the
 garbage collector through ownerReferences.
@@ -27,6 +27,10 @@ from tessera_operator.kube import KubeClient
 from tessera_operator.reconcile.ownedwatch import watch_owned
 from tessera_operator.reconcile.reconciler import Reconciler
 from tessera_operator.reconcile.workqueue import WorkQueue
+
+# What the operator owns and reacts to between resyncs: a rank pod or Service changing, and the
+# router's Deployment turning Ready (the client Service then selects the router at once).
+WATCHED_KINDS = ("pods", "services", "deployments")
 
 
 def decode_deep_json_in_kopf() -> None:
@@ -91,7 +95,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     scopes: list[str | None] = list(CONFIG.namespaces) or [None]
     tasks += [
         asyncio.create_task(watch_owned(client, kind, ns, enqueue), name=f"tessera-watch-{kind}-{ns}")
-        for kind in ("pods", "services")
+        for kind in WATCHED_KINDS
         for ns in scopes
     ]
     memo["client"], memo["queue"], memo["tasks"] = client, queue, tasks

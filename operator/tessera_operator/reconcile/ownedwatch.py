@@ -1,4 +1,5 @@
-"""Watch the pods and Services the operator owns and enqueue their cluster: cheap, no kopf.
+"""Watch the pods, Services and router Deployments the operator owns and enqueue their cluster:
+cheap, no kopf (a router Deployment turning Ready moves the client Service onto it at once).
 
 kopf computes a diff base and progress state for every event of every watched object; for
 hundreds of rank pods that cost more CPU than everything else the operator does (profiled:
@@ -31,8 +32,13 @@ BACKOFF_BASE_SECONDS, BACKOFF_MAX_SECONDS = 0.5, 30.0
 MIN_HEALTHY_STREAM_SECONDS = 1.0
 
 
+# The API group of each watched kind outside the core group.
+GROUP_PATHS = {"deployments": "/apis/apps/v1"}
+
+
 def collection_path(kind: str, namespace: str | None) -> str:
-    return f"/api/v1/namespaces/{namespace}/{kind}" if namespace else f"/api/v1/{kind}"
+    prefix = GROUP_PATHS.get(kind, "/api/v1")
+    return f"{prefix}/namespaces/{namespace}/{kind}" if namespace else f"{prefix}/{kind}"
 
 
 def backoff_delay(failures: int, rand: Callable[[], float] = random.random) -> float:

@@ -11,8 +11,11 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import logging
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,13 +87,61 @@ def _check_hf_folder(folder: Path) -> Path:
     return folder
 
 
-def _resolve_gguf_file(path: Path) -> Path:
+def _gguf_cache_name(path: Path) -> str:
     # Keyed on where the file is and what it looks like, so an edited file converts again
     # without hashing gigabytes on every start.
     stat = path.stat()
     key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_root() / "models" / f"{path.stem}-{key}"
-    return convert_gguf_once(path, target)
+    return f"{path.stem}-{key}"
+
+
+def _resolve_gguf_file(path: Path) -> Path:
+    return convert_gguf_once(path, cache_root() / "models" / _gguf_cache_name(path))
+
+
+def resolve_tokenizer(ref: str) -> Path:
+    """A folder with ``ref``'s tokenizer, never converting or reading weights (the router's
+    need): the model's folder where there is one (given, prebuilt or already converted), else
+    the tokenizer alone, read once from the GGUF file's metadata into the cache."""
+    name = ref.strip().lower()
+    alias = ALIASES.get(name)
+    if alias is not None:
+        cache_name = f"{name}-{alias.version}"
+        for folder in (prebuilt_cache_root() / "models" / cache_name, cache_root() / "models" / cache_name):
+            if is_complete(folder):
+                return folder
+        gguf = _installed_package_dir(alias) / alias.gguf_file
+    else:
+        path = Path(ref).expanduser()
+        if path.is_dir():
+            if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                raise ModelReferenceError(f"{path} has no tokenizer.json / tokenizer_config.json")
+            return path.resolve()
+        if not (path.is_file() and path.suffix.lower() == ".gguf"):
+            raise ModelReferenceError(_explain_unknown(ref))
+        gguf = path.resolve()
+        cache_name = _gguf_cache_name(gguf)
+        if is_complete(cache_root() / "models" / cache_name):
+            return cache_root() / "models" / cache_name
+    return _gguf_tokenizer_once(gguf, cache_root() / "tokenizers" / cache_name)
+
+
+def _gguf_tokenizer_once(gguf: Path, target: Path) -> Path:
+    if (target / "tokenizer_config.json").is_file():
+        return target
+    from transformers import AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent))
+    try:
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(scratch)
+        os.rename(scratch, target)  # whole or not at all
+    except OSError:
+        if not (target / "tokenizer_config.json").is_file():  # not another process's, first
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 def _resolve_alias(name: str, alias: PypiGgufAlias) -> Path:

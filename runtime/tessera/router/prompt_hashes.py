@@ -15,7 +15,7 @@ from typing import Any
 from tessera.core.kv_cache_manager import hash_block, root_hash
 from tessera.engine.processor import encode_text, load_tokenizer, render_chat
 from tessera.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from tessera.models.registry import resolve_model
+from tessera.models.registry import resolve_tokenizer
 
 logger = logging.getLogger("tessera.router")
 
@@ -35,7 +35,7 @@ def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) 
 
 class PromptHasher:
     def __init__(self, model: str, block_size: int) -> None:
-        self.tokenizer = load_tokenizer(resolve_model(model))  # once, at start-up
+        self.tokenizer = load_tokenizer(resolve_tokenizer(model))  # once, at start-up; no weights
         self.block_size = block_size
 
     def prompt_token_ids(self, path: str, body: Any) -> list[int] | None:
