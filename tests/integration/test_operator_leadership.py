@@ -149,15 +149,17 @@ def test_only_the_leader_acts_and_a_standby_takes_over_from_a_killed_one(
 
         assert a.proc is not None
         a.proc.kill()  # SIGKILL: no release, the standby waits out the lease
-        killed = time.monotonic()
+        killed, killed_wall = time.monotonic(), time.time()
         scale(cluster, ns, 2)
-        wait_for(lambda: len(pod_names(cluster, ns)) == 12, "the standby to add group 1", timeout=15)
+        wait_for(lambda: len(pod_names(cluster, ns)) == 12, "the standby to add group 1", timeout=20)
         took = time.monotonic() - killed
-        # Within the lease duration of the last renewal it saw, plus one jittered retry and the pass.
-        assert took < LEASE_S + RETRY_S * JITTER + 1.5, took
+        # It leads within the lease duration of the last renewal it saw (no later than the kill),
+        # plus one jittered retry; then it acts on the change at once.
+        took_over = logged_at(b, "became the leader") - killed_wall
+        assert took_over < LEASE_S + RETRY_S * JITTER + 1.0, took_over
         assert holder(cluster, ns).startswith("op-b_") and lease_spec(cluster, ns)["leaseTransitions"] >= 1
         assert lines(b, "became the leader")
-        print(f"killed leader -> standby's 12 pods: {took:.1f} s")
+        print(f"killed leader -> standby leads {took_over:.1f} s, has made group 1's pods {took:.1f} s")
 
         # A leader that stops gracefully releases the lease: its standby takes over at once.
         c.start()

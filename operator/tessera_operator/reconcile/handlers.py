@@ -134,8 +134,9 @@ def elector_for(
 ) -> LeaderElector:
     """The election, wired: the work queue's workers run only while this replica leads."""
 
-    async def started() -> None:
-        queue.start()
+    listing: list[asyncio.Task[None]] = []
+
+    async def enqueue_all() -> None:
         # A new leader looks at every cluster at once: a change made while no one led (the old
         # leader dead or cut off) must not wait for the next event or resync.
         for ns in scopes:
@@ -146,7 +147,7 @@ def elector_for(
             )
             try:
                 items = await client.list(path)
-            except Exception as exc:  # kopf's watch has queued them all at its start as well
+            except Exception as exc:  # kopf's watch queued each at its start as well
                 logging.getLogger("tessera_operator").warning(
                     "cannot list %s to reconcile them: %s", path, exc
                 )
@@ -154,7 +155,16 @@ def elector_for(
             for item in items:
                 queue.add((item["metadata"]["namespace"], item["metadata"]["name"]))
 
+    async def started() -> None:
+        queue.start()
+        # In the background: the elector goes on renewing while it lists (the API may be slow).
+        listing.append(asyncio.create_task(enqueue_all(), name="tessera-enqueue-all"))
+
     async def stopped() -> None:
+        for task in listing:
+            task.cancel()
+        await asyncio.gather(*listing, return_exceptions=True)
+        listing.clear()
         await queue.stop()
         log_writes(writer, "stopped reconciling")
 
