@@ -61,8 +61,10 @@ def render_chart(
 ) -> list[dict[str, Any]]:
     helm = str(cluster.bin_dir / "helm")
     values = [arg for value in CHART_VALUES for arg in ("--set", value)]
+    # As `helm install` would see it: the API server's version picks the PodDisruptionBudget's API.
+    kube_version = cluster.api("GET", "/version")["gitVersion"]
     rendered = subprocess.run(
-        [helm, "template", release, str(CHART), "-n", namespace, *values],
+        [helm, "template", release, str(CHART), "-n", namespace, "--kube-version", kube_version, *values],
         check=True,
         capture_output=True,
         text=True,

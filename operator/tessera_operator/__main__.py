@@ -10,8 +10,9 @@ import kopf
 
 from tessera_operator.admission import webhook
 from tessera_operator.config import CONFIG
-from tessera_operator.flags import add_config_flags, config_from_args
-from tessera_operator.reconcile import handlers  # noqa: F401  (importing registers the kopf handlers)
+from tessera_operator.flags import add_config_flags, add_model_flags, config_from_args
+from tessera_operator.leadership import settings as leader_settings
+from tessera_operator.reconcile import handlers  # importing registers the kopf handlers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--liveness", default="http://0.0.0.0:8080/healthz", help="health endpoint URL ('' to disable)"
     )
     add_config_flags(parser, CONFIG, scope)
+    election = leader_settings.from_env()
+    add_model_flags(parser, election, {"": parser.add_argument_group((type(election).__doc__ or "").strip())})
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
@@ -48,10 +51,17 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"tessera-operator: {problem}")
     if CONFIG.webhook_port is not None:
         webhook.register()
+    try:  # leader election (handlers reads it at startup)
+        handlers.LEADER_ELECTION = leader_settings.LeaderElection(
+            **{name: getattr(args, name) for name in leader_settings.LeaderElection.model_fields}
+        )
+    except ValueError as exc:  # pydantic's ValidationError is one
+        raise SystemExit(f"tessera-operator: {exc}") from None
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's watches use the same identity as our client
     kopf.run(
-        standalone=True,  # one replica (Recreate strategy); no peering objects needed
+        # No kopf peering: with --leader-elect, a Lease decides which replica reconciles (leadership/).
+        standalone=True,
         clusterwide=args.all_namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness or None,

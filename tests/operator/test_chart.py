@@ -60,7 +60,10 @@ def test_namespaced_mode_grants_pods_only_through_roles() -> None:
 
 def test_cluster_wide_mode_and_managed_webhook() -> None:
     docs = render("watch.clusterWide=true", "webhook.enabled=true")
-    assert not [d for d in docs if d["kind"] == "Role"]
+    # No Role but the leader election's, in the operator's namespace, on leases only.
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert [r["metadata"]["name"] for r in roles] == ["rel-operator-leader-election"]
+    assert {res for r in roles[0]["rules"] for res in r["resources"]} == {"leases"}
     rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
     assert any("pods" in r["resources"] and "create" in r["verbs"] for r in rules)
     # Its own webhook configuration (created by the chart, empty) and no other: no create, list, watch.
@@ -308,3 +311,41 @@ def test_a_client_ca_bundle_is_mounted_from_a_config_map(tmp_path: Path) -> None
 def test_control_plane_nodes_are_opened_by_a_pod_policy_value() -> None:
     assert "--allow-control-plane" in container_args(render("podPolicy.allowControlPlane=true"))
     assert "--allow-control-plane" not in container_args(render())
+
+
+def test_two_replicas_elect_a_leader_by_default_and_spread_across_nodes() -> None:
+    docs = render()
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    spec, pod = deploy["spec"], deploy["spec"]["template"]["spec"]
+    assert spec["replicas"] == 2 and spec["strategy"]["type"] == "RollingUpdate"
+    args = pod["containers"][0]["args"]
+    assert "--leader-elect" in args and "--leader-elect-resource-namespace=ops" in args
+    assert "--leader-elect-resource-name=rel-operator" in args
+    # The flags the chart passes are the operator's own, and the durations keep their order.
+    parsed = parse_args(args)
+    assert parsed.leader_elect and parsed.renew_deadline_seconds < parsed.lease_duration_seconds
+    assert pod["containers"][0]["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    [term] = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    [pdb] = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    # The Lease: get and update on its name only; create cannot be limited by name (RBAC).
+    [role] = [
+        d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-operator-leader-election"
+    ]
+    assert role["metadata"]["namespace"] == "ops"
+    named, create = role["rules"]
+    assert named["resourceNames"] == ["rel-operator"] and named["verbs"] == ["get", "update"]
+    assert "resourceNames" not in create and create["verbs"] == ["create"]
+
+
+def test_replicas_without_leader_election_are_refused_and_one_recreates() -> None:
+    assert "leaderElection.enabled" in refusal("leaderElection.enabled=false")
+    assert "less than leaseDurationSeconds" in refusal("leaderElection.renewDeadlineSeconds=15")
+    docs = render("leaderElection.enabled=false", "replicaCount=1")
+    [deploy] = [d for d in docs if d["kind"] == "Deployment"]
+    assert deploy["spec"]["strategy"]["type"] == "Recreate"
+    assert "--leader-elect" not in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [
+        d for d in docs if d["kind"] == "PodDisruptionBudget" or "leader-election" in d["metadata"]["name"]
+    ]

@@ -115,3 +115,8 @@ HPA would). */}}
   resources: ["inferencepools"]
   verbs: ["get", "create", "update", "delete"]
 {{- end -}}
+
+{{/* The Lease the operator's replicas elect their leader on (leaderElection). */}}
+{{- define "tessera.leaseName" -}}
+{{- include "tessera.fullname" . -}}
+{{- end -}}
