@@ -10,7 +10,7 @@ group only when the whole of it fits. Owned by the InferenceCluster (deleting it
 from __future__ import annotations
 
 from collections.abc import Iterable
-from decimal import ROUND_CEILING, Decimal
+from decimal import ROUND_CEILING
 from typing import Any
 
 from tessera_operator import naming

@@ -119,13 +119,18 @@ def test_volcano_podgroups_precede_their_pods_and_follow_scale_and_rollout(
         assert name == f"smollm2-g0-{revision}"
         assert pg["spec"]["minMember"] == 3 and pg["spec"]["queue"] == "inference"
         [owner] = pg["metadata"]["ownerReferences"]
-        assert owner["kind"] == "InferenceCluster" and owner["uid"] == ic(cluster, ns, "smollm2")["metadata"]["uid"]
+        assert (
+            owner["kind"] == "InferenceCluster"
+            and owner["uid"] == ic(cluster, ns, "smollm2")["metadata"]["uid"]
+        )
         for pod in pods(cluster, ns):
             assert pod["spec"]["schedulerName"] == "volcano"
             assert pod["metadata"]["annotations"][GROUP_ANNOTATION] == name
 
         cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=2")
-        wait_for(lambda: set(pod_groups(cluster, ns)) == {name, f"smollm2-g1-{revision}"}, "group 1's PodGroup")
+        wait_for(
+            lambda: set(pod_groups(cluster, ns)) == {name, f"smollm2-g1-{revision}"}, "group 1's PodGroup"
+        )
         wait_for(lambda: len(pod_names(cluster, ns)) == 6, "group 1")
         cluster.kubectl("scale", "ic", "smollm2", "-n", ns, "--replicas=1")
         wait_for(lambda: set(pod_groups(cluster, ns)) == {name}, "group 1's PodGroup gone with it")

@@ -307,7 +307,9 @@ def validate_scheduling(spec: InferenceClusterSpec, policy: PodPolicy) -> list[F
         if other != chosen and getattr(scheduling, other) is not None
     ]
     if chosen == "kueue" and scheduling.kueue is None:
-        errors.append(FieldError(f"{field}.kueue.queueName", "is needed with scheduler kueue (its LocalQueue)"))
+        errors.append(
+            FieldError(f"{field}.kueue.queueName", "is needed with scheduler kueue (its LocalQueue)")
+        )
     volcano = scheduling.volcano
     if chosen == "volcano" and volcano is not None:
         if volcano.scheduler_name == "default-scheduler":
@@ -333,7 +335,9 @@ def validate_scheduling(spec: InferenceClusterSpec, policy: PodPolicy) -> list[F
         ("annotations", template.annotations, builders.GANG_ANNOTATIONS),
     ):
         errors += [
-            FieldError(f"spec.template.{what}[{key}]", f"is set by the operator with {field}.scheduler {chosen}")
+            FieldError(
+                f"spec.template.{what}[{key}]", f"is set by the operator with {field}.scheduler {chosen}"
+            )
             for key in keys
             if key in written
         ]

@@ -46,7 +46,9 @@ async def write_pod_groups(
     """Raises SchedulerUnavailable, NotOurs(kind, name) or ApiError (the caller reports them)."""
     ours = [p for p in pods if controlled_by(p, ref.uid)]
     leaving = set(delete_pods)
-    live = [p for p in ours if not p["metadata"].get("deletionTimestamp") and p["metadata"]["name"] not in leaving]
+    live = [
+        p for p in ours if not p["metadata"].get("deletionTimestamp") and p["metadata"]["name"] not in leaving
+    ]
     places = [
         (int(labels[naming.GROUP_LABEL]), labels.get(naming.REVISION_LABEL, ""))
         for p in live
