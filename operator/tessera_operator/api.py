@@ -467,6 +467,71 @@ class NetworkPolicySpec(Wire):
     )
 
 
+# -- gang scheduling (spec.scheduling; docs/scheduling.md) ----------------------------------------
+# A group's pods are useless until every one runs: a gang scheduler places all of them or none.
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"  # Kubernetes' label value syntax
+
+
+class VolcanoSpec(Wire):
+    """Volcano: a PodGroup (scheduling.volcano.sh/v1beta1) per replica group, minMember = its pods."""
+
+    scheduler_name: str = Field(
+        default="volcano",
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="The rank pods' schedulerName: the name Volcano's scheduler runs under.",
+    )
+    queue: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="The Volcano Queue of every PodGroup (default: Volcano's, `default`).",
+    )
+    priority_class_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="The PodGroups' PriorityClass, which orders and preempts whole groups (default: "
+        "spec.template.priorityClassName); only one the operator allows (--allowed-priority-classes).",
+    )
+
+
+class KueueSpec(Wire):
+    """Kueue: each replica group a plain pod group (its pods labelled; Kueue gates and admits them)."""
+
+    queue_name: str = Field(
+        min_length=1,
+        max_length=63,
+        pattern=LABEL_VALUE,
+        description="The LocalQueue (in the cluster's namespace) every group is submitted to.",
+    )
+    priority_class: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=LABEL_VALUE,
+        description="A Kueue WorkloadPriorityClass of the groups (label kueue.x-k8s.io/priority-class).",
+    )
+
+
+class SchedulingSpec(Wire):
+    """Which scheduler places the rank pods, and how a replica group is made a gang."""
+
+    scheduler: Literal["default", "volcano", "kueue"] = Field(
+        default="default",
+        description="default: the cluster's scheduler, pod by pod; volcano: a PodGroup per group "
+        "(spec.scheduling.volcano); kueue: Kueue's pod-group labels (spec.scheduling.kueue). A change "
+        "rolls the groups (a pod's schedulerName cannot change).",
+    )
+    volcano: VolcanoSpec | None = Field(
+        default=None, description="Volcano's settings (scheduler volcano only; default: all defaults)."
+    )
+    kueue: KueueSpec | None = Field(default=None, description="Kueue's settings (scheduler kueue, needed).")
+
+
 class InferenceClusterSpec(Wire):
     model: ModelSpec = Field(description="The model served.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel layout.")
@@ -493,6 +558,9 @@ class InferenceClusterSpec(Wire):
         default_factory=NetworkPolicySpec, description="NetworkPolicies the operator keeps for the cluster."
     )
     router: RouterSpec = Field(default_factory=RouterSpec, description="The router in front of the leaders.")
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec, description="Gang scheduling of each replica group's pods."
+    )
 
     @property
     def pods_per_stage(self) -> int:

@@ -30,7 +30,7 @@ from tessera.topology import (
     Topology,
 )
 from tessera_operator import naming
-from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec
+from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec, VolcanoSpec
 from tessera_operator.quantity import quantity_to_bytes
 
 CONTAINER_NAME = "rank"
@@ -48,7 +48,7 @@ GROUP_SECRET_BYTES = 32
 GROUP_SECRET_MODE = 0o400
 # Fields whose change alters pods (and so starts a rolling update); replicas, rollout,
 # restartPolicy and autoscaling do not.
-POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement")
+POD_AFFECTING_FIELDS = ("model", "parallelism", "engine", "template", "placement", "scheduling")
 # A deleted leader keeps accepting at least this long before its SIGTERM: until then the router
 # (which drops a pod marked leaving or deleted as its watch sees it) or the Service's Endpoints
 # (the endpoints controller, then kube-proxy, take a moment to drop a terminating pod) may still
@@ -134,7 +134,11 @@ REVISION_BASELINE: dict[str, Any] = {
         "annotations": {},
     },
     "placement": {"mode": "preferred", "topologyKey": "kubernetes.io/hostname"},
+    "scheduling": {"scheduler": "default", "volcano": None, "kueue": None},
 }
+# Pod-affecting fields added after the first release: left out of the hash while they are at
+# their baseline, so the revisions of every spec from before them stay what they were.
+LATER_FIELDS = frozenset({"scheduling"})
 
 
 def differences(value: Any, baseline: Any, sparse: Any = None) -> Any:
@@ -177,6 +181,7 @@ def _digest(wire: dict[str, Any], sparse: dict[str, Any]) -> str:
     relevant = {
         key: differences(wire[key], REVISION_BASELINE[key], sparse.get(key)) for key in pod_affecting_keys()
     }
+    relevant = {k: v for k, v in relevant.items() if v is not None or k not in LATER_FIELDS}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -204,6 +209,9 @@ def pod_equivalent(wire: dict[str, Any]) -> dict[str, Any]:
         wire["placement"] = dict(baseline["placement"])
     elif wire["placement"]["mode"] == "none":
         wire["placement"]["topologyKey"] = baseline["placement"]["topologyKey"]
+    scheduling = wire["scheduling"]
+    if scheduling["volcano"] == VolcanoSpec().model_dump(by_alias=True, mode="json"):
+        scheduling["volcano"] = None  # Volcano's settings spelled out as their defaults
     return wire
 
 
@@ -425,8 +433,16 @@ def build_pod(
         "metadata": {
             "name": name,
             "namespace": ref.namespace,
-            "labels": {**template.labels, **pod_labels(ref, group, stage, pod_tp_rank, revision)},
-            "annotations": {**template.annotations, naming.GROUP_SIZE_ANNOTATION: str(spec.pods_per_group)},
+            "labels": {
+                **template.labels,
+                **gang_labels(spec, ref.name, group, revision),
+                **pod_labels(ref, group, stage, pod_tp_rank, revision),
+            },
+            "annotations": {
+                **template.annotations,
+                **gang_annotations(spec, ref.name, group, revision),
+                naming.GROUP_SIZE_ANNOTATION: str(spec.pods_per_group),
+            },
             "ownerReferences": [owner_reference(ref)],
         },
         "spec": rank_pod_spec(ref, spec, name, (group, stage), container, volumes),
@@ -521,7 +537,56 @@ def rank_pod_spec(
         pod_spec["serviceAccountName"] = template.service_account_name
     if template.priority_class_name:
         pod_spec["priorityClassName"] = template.priority_class_name
+    if (scheduler := scheduler_name(spec)) is not None:
+        pod_spec["schedulerName"] = scheduler
     return pod_spec
+
+
+# -- gang scheduling (spec.scheduling; docs/scheduling.md): what the rank pods carry -------------
+# The keys each scheduler reads (Volcano's KubeGroupNameAnnotationKey; Kueue's plain pod groups).
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+KUEUE_TOTAL_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+# A serving group never finishes: without it Kueue applies a batch job's completion rules (as
+# LeaderWorkerSet's pods carry it).
+KUEUE_SERVING_ANNOTATION = "kueue.x-k8s.io/pod-group-serving"
+GANG_LABELS = (KUEUE_QUEUE_LABEL, KUEUE_GROUP_LABEL, KUEUE_PRIORITY_LABEL)
+GANG_ANNOTATIONS = (VOLCANO_GROUP_ANNOTATION, KUEUE_TOTAL_ANNOTATION, KUEUE_SERVING_ANNOTATION)
+
+
+def scheduler_name(spec: InferenceClusterSpec) -> str | None:
+    """The rank pods' schedulerName; None: the cluster's default scheduler (Kueue's too)."""
+    scheduling = spec.scheduling
+    if scheduling.scheduler != "volcano":
+        return None
+    return (scheduling.volcano or VolcanoSpec()).scheduler_name
+
+
+def gang_labels(spec: InferenceClusterSpec, cluster: str, group: int, revision: str) -> dict[str, str]:
+    """Kueue's pod-group labels (none for the other schedulers): Kueue's webhook gates such pods
+    and its controller admits the group whole; the operator only labels."""
+    kueue = spec.scheduling.kueue
+    if spec.scheduling.scheduler != "kueue" or kueue is None:
+        return {}
+    labels = {
+        KUEUE_QUEUE_LABEL: kueue.queue_name,
+        KUEUE_GROUP_LABEL: naming.pod_group_name(cluster, group, revision),
+    }
+    if kueue.priority_class is not None:
+        labels[KUEUE_PRIORITY_LABEL] = kueue.priority_class
+    return labels
+
+
+def gang_annotations(spec: InferenceClusterSpec, cluster: str, group: int, revision: str) -> dict[str, str]:
+    """Volcano: the PodGroup a pod belongs to; Kueue: how many pods the group has, and serving."""
+    name = naming.pod_group_name(cluster, group, revision)
+    if spec.scheduling.scheduler == "volcano":
+        return {VOLCANO_GROUP_ANNOTATION: name}
+    if spec.scheduling.scheduler == "kueue":
+        return {KUEUE_TOTAL_ANNOTATION: str(spec.pods_per_group), KUEUE_SERVING_ANNOTATION: "true"}
+    return {}
 
 
 def build_group(

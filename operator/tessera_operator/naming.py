@@ -114,3 +114,10 @@ def router_name(cluster: str) -> str:
 
 def router_selector(cluster: str) -> dict[str, str]:
     return {ROUTER_LABEL: cluster, **MANAGED_BY}
+
+
+def pod_group_name(cluster: str, group: int, revision: str) -> str:
+    """A replica group's gang at one revision (spec.scheduling): its Volcano PodGroup, or its Kueue
+    pod group. Per revision: a rollout makes the new pods a new gang (their size may differ), and
+    the old one goes with the old pods. At most 40 + 2 + 3 + 1 + 10 characters: a label value too."""
+    return f"{cluster}-g{group}-{revision}"

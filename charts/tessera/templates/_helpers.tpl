@@ -114,6 +114,11 @@ HPA would). */}}
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
   verbs: ["get", "create", "update", "delete"]
+# spec.scheduling volcano: a PodGroup per replica group, made before its pods, deleted with
+# them. Listed by the cluster label (to find a departed group's); never watched.
+- apiGroups: ["scheduling.volcano.sh"]
+  resources: ["podgroups"]
+  verbs: ["get", "list", "create", "update", "delete"]
 {{- end -}}
 
 {{/* The Lease the operator's replicas elect their leader on (leaderElection). */}}

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tessera_operator import naming
+from tessera_operator import builders, naming
 from tessera_operator.admission.k8sformat import (
     check_affinity,
     check_annotations,
@@ -294,13 +294,64 @@ def validate_template(template: TemplateSpec) -> list[FieldError]:
     return errors + validate_volumes(template)
 
 
+# -- spec.scheduling ----------------------------------------------------------------------------
+
+
+def validate_scheduling(spec: InferenceClusterSpec, policy: PodPolicy) -> list[FieldError]:
+    """One scheduler's settings, and only its own; no pod key the operator writes for it set by hand."""
+    scheduling, field = spec.scheduling, "spec.scheduling"
+    chosen = scheduling.scheduler
+    errors = [
+        FieldError(f"{field}.{other}", f"is set, but {field}.scheduler is {chosen}")
+        for other in ("volcano", "kueue")
+        if other != chosen and getattr(scheduling, other) is not None
+    ]
+    if chosen == "kueue" and scheduling.kueue is None:
+        errors.append(
+            FieldError(f"{field}.kueue.queueName", "is needed with scheduler kueue (its LocalQueue)")
+        )
+    volcano = scheduling.volcano
+    if chosen == "volcano" and volcano is not None:
+        if volcano.scheduler_name == "default-scheduler":
+            errors.append(
+                FieldError(
+                    f"{field}.volcano.schedulerName",
+                    "names the default scheduler, which ignores PodGroups: the groups would not be gangs",
+                )
+            )
+        name = volcano.priority_class_name
+        if name is not None and name not in policy.allowed_priority_classes:
+            errors.append(
+                FieldError(
+                    f"{field}.volcano.priorityClassName",
+                    f"PriorityClass {name!r} is not allowed by the operator (--allowed-priority-classes)",
+                )
+            )
+    if chosen == "default":
+        return errors
+    template = spec.template
+    for what, keys, written in (
+        ("labels", template.labels, builders.GANG_LABELS),
+        ("annotations", template.annotations, builders.GANG_ANNOTATIONS),
+    ):
+        errors += [
+            FieldError(
+                f"spec.template.{what}[{key}]", f"is set by the operator with {field}.scheduler {chosen}"
+            )
+            for key in keys
+            if key in written
+        ]
+    return errors
+
+
 def validate_spec(spec: InferenceClusterSpec, policy: PodPolicy | None = None) -> list[FieldError]:
+    policy = policy or PodPolicy()
     errors = validate_layout(spec) + validate_policies(spec) + validate_engine(spec)
-    errors += validate_template(spec.template)
+    errors += validate_template(spec.template) + validate_scheduling(spec, policy)
     problem = qualified_name_problem(spec.placement.topology_key)
     if problem:
         errors.append(FieldError("spec.placement.topologyKey", problem))
-    return errors + check_pod_policy(spec, policy or PodPolicy())
+    return errors + check_pod_policy(spec, policy)
 
 
 def validate_object(name: str, raw_spec: dict[str, Any], policy: PodPolicy | None = None) -> list[FieldError]:

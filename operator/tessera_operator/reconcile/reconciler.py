@@ -430,6 +430,13 @@ class Reconciler:
             except WriteRefused as exc:
                 refused.append(exc)
                 to_create = []
+        try:  # a group's PodGroup (spec.scheduling) before its pods: Volcano binds them as one
+            await self.writes.pod_groups(
+                ref, planned.spec, planned.revision, seen.pods, decision.delete_pods, decision.create_groups
+            )
+        except WriteRefused as exc:
+            refused.append(exc)
+            to_create = []  # held: pods no scheduler takes would sit Pending
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in seen.pods}
         leaders = {p["metadata"]["name"] for p in seen.pods if is_leader(p)}
         pods_path = core_path(ref.namespace, "pods")

@@ -24,12 +24,14 @@ from tessera_operator.reconcile.owned_plans import (
     plan_budget,
     repaired_service,
 )
+from tessera_operator.reconcile.pod_group_writes import SchedulerUnavailable, write_pod_groups
 from tessera_operator.reconcile.router_writes import NotOurs, PoolUnavailable, write_router
 from tessera_operator.reconcile.status import merge_patch
 
 log = logging.getLogger("tessera_operator.reconcile.writes")
 FAILED_CREATE, FAILED_DELETE, FAILED_SCALE = "FailedCreate", "FailedDelete", "FailedScale"
 POOL_UNAVAILABLE = "InferencePoolUnavailable"
+SCHEDULER_UNAVAILABLE = "SchedulerUnavailable"  # spec.scheduling names a scheduler the cluster lacks
 
 
 class WriteRefused(Exception):
@@ -270,3 +272,23 @@ class Writes:
         except ApiError as exc:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
                 raise refusal(FAILED_CREATE, "updating the router", exc) from exc
+
+    async def pod_groups(
+        self,
+        ref: ClusterRef,
+        spec: InferenceClusterSpec,
+        revision: str,
+        pods: Iterable[dict[str, Any]],
+        delete_pods: Iterable[str],
+        create_groups: Iterable[int],
+    ) -> None:
+        """The Volcano PodGroups of spec.scheduling (pod_group_writes.py), or none."""
+        try:
+            await write_pod_groups(self.client, ref, spec, revision, pods, delete_pods, create_groups)
+        except NotOurs as exc:
+            raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
+        except SchedulerUnavailable as exc:
+            raise WriteRefused(SCHEDULER_UNAVAILABLE, str(exc)) from exc
+        except ApiError as exc:
+            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
+                raise refusal(FAILED_CREATE, "updating the podgroups", exc) from exc
