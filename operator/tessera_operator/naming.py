@@ -114,3 +114,13 @@ def router_name(cluster: str) -> str:
 
 def router_selector(cluster: str) -> dict[str, str]:
     return {ROUTER_LABEL: cluster, **MANAGED_BY}
+
+
+# spec.model.cache: the shared model cache's volume (read-only in every rank container) and the
+# claim the operator makes for it when the spec names none.
+MODEL_CACHE_VOLUME, MODEL_CACHE_DIR = "tessera-model-cache", "/model-cache"
+OPERATOR_VOLUMES = OPERATOR_VOLUMES | {MODEL_CACHE_VOLUME}
+
+
+def model_cache_claim_name(cluster: str) -> str:
+    return f"{cluster}-model-cache"

@@ -112,4 +112,9 @@ HPA would). */}}
 - apiGroups: ["inference.networking.k8s.io"]
   resources: ["inferencepools"]
   verbs: ["get", "create", "update", "delete"]
+# spec.model.cache: the cluster's model-cache PersistentVolumeClaim (read by name; an orphan of
+# the cluster's is adopted with a patch; no update: a claim's spec is immutable once made).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end -}}
