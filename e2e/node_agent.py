@@ -23,6 +23,7 @@ import httpx
 
 from e2e import podnet
 from e2e.kube_api import KubeApi, run_until_signalled
+from e2e.local_provisioner import LocalProvisioner
 from e2e.node_objects import node_object, node_ready_status
 from e2e.pod_dns import DnsServer, build_records
 from e2e.pod_runtime import DEFAULT_GRACE_SECONDS, PodRuntime
@@ -45,12 +46,14 @@ class NodeAgent:
         self.dns = DnsServer()
         self.pods: dict[str, PodRuntime] = {}
         self._deleting: dict[str, asyncio.Task[None]] = {}
+        self.provisioner = LocalProvisioner(api, state_dir / "persistent-volumes")  # claims' folders
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
             self.network.create()
             await self.dns.start(self.network.gateway)
             await self._register_nodes()
+            await self.provisioner.register()
             log.info("nodes %s ready, pod network 10.%d.0.0/16", self.nodes, self.network.second_octet)
             last_dns = last_heartbeat = 0.0
             while not stop.is_set():
@@ -61,6 +64,7 @@ class NodeAgent:
                 try:
                     listed = (await self.api.get("/api/v1/pods"))["items"]
                     await self._sync_pods(listed)
+                    await self.provisioner.sync()
                     if now - last_dns > DNS_REFRESH_SECONDS:
                         endpoints = (await self.api.get("/api/v1/endpoints"))["items"]
                         self.dns.records = build_records(endpoints, listed)

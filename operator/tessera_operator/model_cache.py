@@ -58,7 +58,9 @@ def add_to_pod(pod: dict[str, Any], cluster: str, spec: InferenceClusterSpec, le
     if name is None or cache is None:
         return
     pod_spec = pod["spec"]
-    pod_spec["volumes"].append({"name": naming.MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": name}})
+    pod_spec["volumes"].append(
+        {"name": naming.MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": name}}
+    )
     rank = pod_spec["containers"][0]
     env = [
         {"name": MODEL_CACHE_ENV, "value": naming.MODEL_CACHE_DIR},

@@ -17,17 +17,17 @@ from tessera_operator import builders, naming
 from tessera_operator.api import InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.builders import ClusterRef
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
+from tessera_operator.reconcile.model_cache_writes import (
+    MODEL_CACHE_UNAVAILABLE,
+    ModelCacheUnavailable,
+    write_model_cache,
+)
 from tessera_operator.reconcile.observe import controlled_by, is_orphaned
 from tessera_operator.reconcile.owned_plans import (
     ServicePlan,
     adoption,
     plan_budget,
     repaired_service,
-)
-from tessera_operator.reconcile.model_cache_writes import (
-    MODEL_CACHE_UNAVAILABLE,
-    ModelCacheUnavailable,
-    write_model_cache,
 )
 from tessera_operator.reconcile.router_writes import NotOurs, PoolUnavailable, write_router
 from tessera_operator.reconcile.status import merge_patch
