@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.host import cache_root, model_cache_root, prebuilt_cache_root
-from tessera.models.conversion import convert_gguf_once, is_complete
+from tessera.models.conversion import convert_gguf_once, is_complete, wait_for_fill
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,7 @@ def _convert_into_cache(gguf_path: Path, folder: str) -> Path:
     target = shared / "models" / folder
     if is_complete(target) or os.access(shared, os.W_OK):
         return convert_gguf_once(gguf_path, target)
-    from tessera.models.shared_cache import wait_for_fill  # the read-only side: no writes here
-
-    return wait_for_fill(target)
+    return wait_for_fill(target)  # the read-only side: the fill step writes it
 
 
 def _installed_package_dir(alias: PypiGgufAlias) -> Path:
