@@ -42,7 +42,9 @@ async def write_model_cache(client: KubeClient, ref: ClusterRef, spec: Inference
         return
     own = naming.model_cache_claim_name(ref.name)
     desired = model_cache.build_claim(ref.name, ref.namespace, spec, builders._owned_metadata(ref, own))
-    have = await _get(client, f"{collection}/{own}")
+    # Without a cache, no read of our own first: write_owned deletes one left by an earlier spec,
+    # and does nothing under a Role from before the cache (403, none wanted).
+    have = await _get(client, f"{collection}/{own}") if desired is not None else None
     if desired is not None and have is not None and is_orphaned(have, ref.name):
         # left by an orphaning delete: adopted as it is (a PUT of our spec would drop volumeName)
         await client.merge_patch(f"{collection}/{own}", adoption(have, ref))
