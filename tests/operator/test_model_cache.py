@@ -68,6 +68,8 @@ def test_a_cache_changes_the_revision_and_bad_values_are_refused() -> None:
         spec({"accessModes": ["Sometimes"]})
     with pytest.raises(ValidationError):
         spec({"size": "lots"})
+    with pytest.raises(ValidationError, match="claimName names an existing claim"):
+        spec({"claimName": "mine", "storageClassName": "fast"})
 
 
 def test_a_failed_fill_reads_as_the_init_containers_last_line() -> None:
