@@ -25,6 +25,7 @@ import httpx
 
 from e2e import podnet
 from e2e.kube_api import KubeApi, run_until_signalled
+from e2e.local_provisioner import LocalProvisioner
 from e2e.node_objects import node_object, node_ready_status
 from e2e.pod_dns import API_SERVICE_NAME, DnsServer, build_records
 from e2e.pod_runtime import DEFAULT_GRACE_SECONDS, PodRuntime
@@ -51,6 +52,7 @@ class NodeAgent:
         self._api_listener: asyncio.Server | None = None
         self.pods: dict[str, PodRuntime] = {}
         self._deleting: dict[str, asyncio.Task[None]] = {}
+        self.provisioner = LocalProvisioner(api, state_dir / "persistent-volumes")  # claims' folders
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
@@ -60,6 +62,7 @@ class NodeAgent:
                 self.api_forwarder.handle, self.network.gateway, podnet.API_PORT
             )
             await self._register_nodes()
+            await self.provisioner.register()
             log.info("nodes %s ready, pod network 10.%d.0.0/16", self.nodes, self.network.second_octet)
             last_dns = last_heartbeat = 0.0
             while not stop.is_set():
@@ -70,6 +73,7 @@ class NodeAgent:
                 try:
                     listed = (await self.api.get("/api/v1/pods"))["items"]
                     await self._sync_pods(listed)
+                    await self.provisioner.sync()
                     if now - last_dns > DNS_REFRESH_SECONDS:
                         endpoints = (await self.api.get("/api/v1/endpoints"))["items"]
                         records = build_records(endpoints, listed)

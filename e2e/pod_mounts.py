@@ -81,9 +81,12 @@ def container_mounts(pod: Mapping[str, Any], container: Mapping[str, Any], pod_d
         read_only = bool(mount.get("readOnly"))
         if "secret" in volume or "projected" in volume:  # written by write_volumes; always read-only
             mounts.append(Mount(mount["mountPath"], str(_volume_dir(pod_dir, volume)), True))
+        elif "persistentVolumeClaim" in volume:  # linked by link_claim_volumes before it starts
+            read_only = read_only or bool(volume["persistentVolumeClaim"].get("readOnly"))
+            mounts.append(Mount(mount["mountPath"], str(_claim_link(pod_dir, mount["name"])), read_only))
         elif "emptyDir" not in volume:
             log.warning(
-                "volume %r is no emptyDir, secret or projected volume: not mounted by the node agent",
+                "volume %r is no emptyDir, secret, projected or claim volume: not mounted by the node agent",
                 mount["name"],
             )
         elif (volume["emptyDir"] or {}).get("medium") == "Memory":
@@ -207,6 +210,36 @@ async def request_token(api: KubeApi, pod: Mapping[str, Any], source: Mapping[st
             f"token of service account {account!r}: {error.response.status_code} {error.response.text[:200]}"
         ) from error
     return str(answer["status"]["token"])
+
+
+def _claim_link(pod_dir: Path, volume: str) -> Path:
+    return pod_dir / "claim-volumes" / volume
+
+
+async def link_claim_volumes(api: KubeApi, pod: Mapping[str, Any], pod_dir: Path) -> None:
+    """As the kubelet mounts a bound claim's volume: each persistentVolumeClaim volume's folder
+    (its PersistentVolume's hostPath, e2e.local_provisioner's) linked under the pod's folder, so
+    the mount prologue binds it. A claim not found or not bound keeps the pod from starting."""
+    namespace = pod["metadata"]["namespace"]
+    for volume in pod["spec"].get("volumes") or []:
+        source = volume.get("persistentVolumeClaim")
+        if source is None:
+            continue
+        claim = await api.get_or_none(
+            f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{source['claimName']}"
+        )
+        bound = (claim or {}).get("spec", {}).get("volumeName")
+        pv = await api.get_or_none(f"/api/v1/persistentvolumes/{bound}") if bound else None
+        path = ((pv or {}).get("spec") or {}).get("hostPath", {}).get("path")
+        if path is None:
+            raise ContainerConfigError(
+                f"persistentvolumeclaim {source['claimName']!r} of volume {volume['name']!r} is not "
+                "bound to a hostPath volume"
+            )
+        link = _claim_link(pod_dir, volume["name"])
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(path, target_is_directory=True)
 
 
 def ensure_mount_points(mounts: list[Mount]) -> None:

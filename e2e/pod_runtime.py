@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from e2e import pod_mounts, podnet
+from e2e import pod_init, pod_mounts, podnet
 from e2e.container_spec import ContainerConfigError, api_service_env, container_argv, container_env
 from e2e.kube_api import KubeApi
 
@@ -58,6 +58,7 @@ class Container:
     backoff: float = BACKOFF_INITIAL_SECONDS
     readiness: Probe | None = None
     env: dict[str, str] = field(default_factory=dict)
+    log_offset: int = 0  # where this run's output starts in its log (the termination message's)
 
     @property
     def name(self) -> str:
@@ -108,6 +109,7 @@ class PodRuntime:
         self.dir = state_dir / f"{self.namespace}_{self.name}_{self.uid[:8]}"
         self.restart_policy = pod["spec"].get("restartPolicy", "Always")
         self.containers = [Container(spec) for spec in pod["spec"]["containers"]]
+        self.init_containers = [Container(spec) for spec in pod["spec"].get("initContainers") or []]
         self.sandbox: podnet.PodSandbox | None = None
         self.start_time = now_rfc3339()
         self.config_error = ""
@@ -146,11 +148,12 @@ class PodRuntime:
         self.config_error = ""
         try:
             await pod_mounts.write_volumes(self.api, self.pod, self.dir)
+            await pod_mounts.link_claim_volumes(self.api, self.pod, self.dir)
         except ContainerConfigError as error:
             self.config_error = str(error)
-            for container in self.containers:
+            for container in [*self.init_containers, *self.containers]:
                 container.waiting = ("ContainerCreating", str(error))  # the kubelet's volume wait
-        for container in self.containers if not self.config_error else []:
+        for container in [*self.init_containers, *self.containers] if not self.config_error else []:
             try:
                 container.env = await container_env(self.api, status_for_env, container.spec, service_env)
                 container_argv(container.spec, container.env)
@@ -159,6 +162,8 @@ class PodRuntime:
                 self.config_error = str(error)
         if self.config_error:
             self._config_retry_at = time.monotonic() + CONFIG_RETRY_SECONDS
+        elif (first := pod_init.current(self.init_containers)) is not None:
+            self._spawn(self.init_containers[first])  # init containers first, one at a time
         else:
             for container in self.containers:
                 self._spawn(container)
@@ -176,6 +181,7 @@ class PodRuntime:
         sandbox_exec = [podnet.IP, "netns", "exec", self.sandbox.netns]
         sandbox_exec += ["unshare", "--uts", "--mount", "--propagation", "private", "--"]
         log = open(self.dir / f"{container.name}.log", "ab")  # noqa: SIM115 (the child holds it)
+        container.log_offset = log.seek(0, os.SEEK_END)
         with log:
             container.process = subprocess.Popen(
                 [*sandbox_exec, "sh", "-c", script + _SET_HOSTNAME_AND_EXEC, self.sandbox.hostname, *argv],
@@ -200,14 +206,16 @@ class PodRuntime:
         self.stopping = True
         deadline = time.monotonic() + grace_seconds
         await asyncio.gather(*(self._pre_stop(c, deadline) for c in self.containers if c.running))
-        for container in self.containers:
+        for container in [*self.init_containers, *self.containers]:
             if container.running:
                 assert container.process is not None
                 with contextlib.suppress(ProcessLookupError):
                     container.process.send_signal(signal.SIGTERM)
-        while time.monotonic() < deadline and any(c.running for c in self.containers):
+        while time.monotonic() < deadline and any(
+            c.running for c in [*self.init_containers, *self.containers]
+        ):
             await asyncio.sleep(0.1)
-        for container in self.containers:
+        for container in [*self.init_containers, *self.containers]:
             if container.process is not None:
                 _signal_group(container.process.pid, signal.SIGKILL)
                 if container.running:
@@ -243,7 +251,7 @@ class PodRuntime:
         now = time.monotonic()
         if self.config_error and self.sandbox is not None and now >= self._config_retry_at:
             await self._configure_and_spawn()
-        if self.stopping or self.config_error:
+        if self.stopping or self.config_error or not self._tick_init(now):
             return
         for container in self.containers:
             process = container.process
@@ -256,8 +264,30 @@ class PodRuntime:
             if container.running and container.readiness is not None:
                 self._maybe_probe(container.readiness, container, now)
 
-    def _on_exit(self, container: Container, returncode: int, now: float) -> None:
+    def _tick_init(self, now: float) -> bool:
+        """Runs the init containers in order (`e2e.pod_init`); True once all completed."""
+        index = pod_init.current(self.init_containers)
+        if index is None:
+            return True
+        if pod_init.init_failed(self.init_containers):
+            return False
+        container = self.init_containers[index]
+        process = container.process
+        if process is not None and (returncode := process.poll()) is not None:
+            self._on_exit(container, returncode, now, init=True)
+        if container.process is None and container.terminated is None and now >= container.next_start:
+            if container.last_terminated is not None:
+                container.restart_count += 1
+            self._spawn(container)
+        return pod_init.current(self.init_containers) is None
+
+    def _on_exit(self, container: Container, returncode: int, now: float, init: bool = False) -> None:
         state = _terminated_state(returncode, container.started_at)
+        message = pod_init.termination_message(
+            container.spec, self.dir / f"{container.name}.log", container.log_offset, state["exitCode"]
+        )
+        if message:
+            state["message"] = message
         assert container.process is not None
         # As a runtime ends a container with its main process: whatever it started goes too (a
         # restarted container would otherwise meet its predecessor's children on its ports).
@@ -266,6 +296,8 @@ class PodRuntime:
         restart = self.restart_policy == "Always" or (
             self.restart_policy == "OnFailure" and state["exitCode"] != 0
         )
+        if init:  # an init container that completed is done; one that failed retries unless Never
+            restart = self.restart_policy != "Never" and state["exitCode"] != 0
         if restart:
             container.last_terminated = state
             container.waiting = (
@@ -325,8 +357,16 @@ class PodRuntime:
 
     def status(self) -> dict[str, Any]:
         statuses = [self._container_status(c) for c in self.containers]
-        if self.config_error or not all(
-            c.process or c.terminated or c.last_terminated for c in self.containers
+        initialized = pod_init.initialized(self.init_containers)
+        if not initialized:
+            for status_ in statuses:
+                status_["state"] = {"waiting": {"reason": "PodInitializing"}}
+        if pod_init.init_failed(self.init_containers):
+            phase = "Failed"
+        elif (
+            self.config_error
+            or not initialized
+            or not all(c.process or c.terminated or c.last_terminated for c in self.containers)
         ):
             phase = "Pending"
         elif all(c.terminated is not None for c in self.containers):
@@ -337,7 +377,7 @@ class PodRuntime:
         all_ready = all(c.ready for c in self.containers)
         not_ready = "PodCompleted" if phase in ("Succeeded", "Failed") else "ContainersNotReady"
         conditions = [
-            self._condition("Initialized", True),
+            self._condition("Initialized", initialized, "ContainersNotInitialized"),
             self._condition("Ready", all_ready, not_ready),
             self._condition("ContainersReady", all_ready, not_ready),
             self._condition("PodScheduled", True),
@@ -348,6 +388,11 @@ class PodRuntime:
             "hostIP": self.host_ip,
             "startTime": self.start_time,
             "containerStatuses": statuses,
+            **(
+                {"initContainerStatuses": [self._container_status(c) for c in self.init_containers]}
+                if self.init_containers
+                else {}
+            ),
             "qosClass": "BestEffort",
         }
         if self.sandbox is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -93,6 +93,60 @@ class Wire(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
+# --- spec.model.cache (issue 62): a shared model cache -------------------------------------
+AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
+
+
+def _read_write_many() -> list[AccessMode]:
+    return ["ReadWriteMany"]
+
+
+class ModelCacheSpec(Wire):
+    """A PersistentVolumeClaim every rank pod mounts read-only, filled once per group (an init
+    container of the group's leader pod converts the model into it, the other ranks' init
+    containers wait for its .complete marker), so ranks and groups do not each convert the model
+    into an emptyDir (docs/model-cache.md)."""
+
+    claim_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="An existing claim to use (never changed or deleted by the operator); unset: the "
+        "operator makes `<cluster>-model-cache`, owned by the cluster (deleted with it).",
+    )
+    size: Annotated[str, Field(max_length=MAX_QUANTITY_LENGTH, pattern=QUANTITY_PATTERN)] = Field(
+        default="20Gi", description="Storage the claim the operator makes requests."
+    )
+    storage_class_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="StorageClass of the claim the operator makes (unset: the cluster's default class).",
+    )
+    access_modes: list[AccessMode] = Field(
+        default_factory=_read_write_many,
+        min_length=1,
+        max_length=4,
+        description="Access modes of the claim the operator makes (ReadWriteMany: groups on many nodes).",
+    )
+    wait_seconds: float = Field(
+        default=1800,
+        ge=1,
+        le=MAX_DELAY_SECONDS,
+        description="A rank pod waits at most this long for its group's fill, then fails with the reason.",
+    )
+
+    @model_validator(mode="after")
+    def _one_claim(self) -> ModelCacheSpec:
+        # The named claim is used as it is: a class for it would say something that never happens.
+        if self.claim_name and self.storage_class_name:
+            raise PydanticCustomError(
+                "claim_and_class", "claimName names an existing claim: storageClassName is for the one made"
+            )
+        return self
+
+
 class ModelSpec(Wire):
     """Which model every rank loads."""
 
@@ -117,6 +171,9 @@ class ModelSpec(Wire):
         ge=2,  # a prompt token and a generated one
         le=MAX_TOKENS,
         description="Maximum context length (default: the model's).",
+    )
+    cache: ModelCacheSpec | None = Field(
+        default=None, description="A shared model cache (a PersistentVolumeClaim) filled once per group."
     )
 
 

@@ -29,7 +29,7 @@ from tessera.topology import (
     ParallelLayout,
     Topology,
 )
-from tessera_operator import naming
+from tessera_operator import model_cache, naming
 from tessera_operator.api import API_VERSION, KIND, InferenceClusterSpec, VolcanoSpec
 from tessera_operator.quantity import quantity_to_bytes
 
@@ -94,7 +94,7 @@ class ClusterRef:
 # the new default, that release would roll every cluster into identical pods. A new field's entry
 # is its first default (test_builders checks that every field has one).
 REVISION_BASELINE: dict[str, Any] = {
-    "model": {"servedName": None, "dtype": "auto", "maxModelLen": None},
+    "model": {"servedName": None, "dtype": "auto", "maxModelLen": None, "cache": None},
     "parallelism": {
         "tensor": 1,
         "pipeline": 1,
@@ -427,7 +427,7 @@ def build_pod(
     template = spec.template
     volumes, mounts = volumes_for(spec, ref.name, group)
     container = rank_container(spec, topology, mounts)
-    return {
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -447,6 +447,8 @@ def build_pod(
         },
         "spec": rank_pod_spec(ref, spec, name, (group, stage), container, volumes),
     }
+    model_cache.add_to_pod(pod, ref.name, spec, topology.is_leader)  # spec.model.cache
+    return pod
 
 
 def rank_container(

@@ -121,3 +121,13 @@ def pod_group_name(cluster: str, group: int, revision: str) -> str:
     pod group. Per revision: a rollout makes the new pods a new gang (their size may differ), and
     the old one goes with the old pods. At most 40 + 2 + 3 + 1 + 10 characters: a label value too."""
     return f"{cluster}-g{group}-{revision}"
+
+
+# spec.model.cache: the shared model cache's volume (read-only in every rank container) and the
+# claim the operator makes for it when the spec names none.
+MODEL_CACHE_VOLUME, MODEL_CACHE_DIR = "tessera-model-cache", "/model-cache"
+OPERATOR_VOLUMES = OPERATOR_VOLUMES | {MODEL_CACHE_VOLUME}
+
+
+def model_cache_claim_name(cluster: str) -> str:
+    return f"{cluster}-model-cache"

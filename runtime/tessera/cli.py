@@ -85,6 +85,7 @@ def _optional_subcommands() -> list[Callable[[argparse._SubParsersAction], None]
         "tessera.router.cli",
         "tessera.entrypoints.drain",
         "tessera.worker.worker_proc",
+        "tessera.models.shared_cache",
     ):
         try:
             module = __import__(module_name, fromlist=["register_cli"])

@@ -82,3 +82,11 @@ def cache_root() -> Path:
 def prebuilt_cache_root() -> Path:
     """``$TESSERA_PREBUILT_CACHE`` or /opt/tessera/cache: a read-only cache consulted first."""
     return Path(os.environ.get("TESSERA_PREBUILT_CACHE") or DEFAULT_PREBUILT_CACHE)
+
+
+def model_cache_root() -> Path | None:
+    """``$TESSERA_MODEL_CACHE``: a model cache shared by the pods of an InferenceCluster
+    (spec.model.cache, a PersistentVolumeClaim), its conversions under ``models/``; None unset.
+    Its fill step writes it, every rank reads it (read-only)."""
+    value = os.environ.get("TESSERA_MODEL_CACHE")
+    return Path(value) if value else None

@@ -1,5 +1,6 @@
 """The Helm chart renders least-privilege RBAC for each mode (helm from the k8s binary cache)."""
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -48,8 +49,14 @@ def test_namespaced_mode_grants_pods_only_through_roles() -> None:
     assert {res for r in cluster_rules for res in r["resources"]} == {
         "customresourcedefinitions",
         "namespaces",
+        "storageclasses",  # spec.model.cache: whether the named class exists (get only)
     }
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in cluster_rules)
+    [classes] = [r for r in cluster_rules if "storageclasses" in r["resources"]]
+    assert classes["verbs"] == ["get"]
+    role_rules = [r for d in docs if d["kind"] == "Role" for r in d["rules"]]
+    [claims] = {json.dumps(r) for r in role_rules if "persistentvolumeclaims" in r["resources"]}
+    assert set(json.loads(claims)["verbs"]) == {"get", "create", "patch", "delete"}  # no list, watch, update
     [deploy] = [d for d in docs if d["kind"] == "Deployment"]
     container = deploy["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=a" in container["args"] and "--namespace=b" in container["args"]

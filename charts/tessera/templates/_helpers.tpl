@@ -119,6 +119,11 @@ HPA would). */}}
 - apiGroups: ["scheduling.volcano.sh"]
   resources: ["podgroups"]
   verbs: ["get", "list", "create", "update", "delete"]
+# spec.model.cache: the cluster's model-cache PersistentVolumeClaim (read by name; an orphan of
+# the cluster's is adopted with a patch; no update: a claim's spec is immutable once made).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- end -}}
 
 {{/* The Lease the operator's replicas elect their leader on (leaderElection). */}}

@@ -142,6 +142,9 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
     phase = status.get("phase")
     if phase == "Failed" and status.get("reason") in NODE_REASONS:  # its containers were killed too
         return f"{POD_EVICTED}: {status['reason']}: {(status.get('message') or '')[:300]}"
+    init_failure = init_container_failure(status)
+    if init_failure is not None:
+        return init_failure
     for cs in status.get("containerStatuses") or []:
         terminated = (cs.get("state") or {}).get("terminated")
         if terminated and terminated.get("exitCode", 0) != 0:
@@ -151,6 +154,23 @@ def pod_failure(pod: dict[str, Any]) -> str | None:
         return f"PodFailed: {status.get('reason') or status.get('message') or 'Failed'}"
     if phase == "Succeeded":
         return "PodExited: a rank exited"
+    return None
+
+
+def init_container_failure(status: dict[str, Any]) -> str | None:
+    """An init container that failed (spec.model.cache's fill or wait): its name, exit code and
+    termination message (its last log line with FallbackToLogsOnError), which say why."""
+    for cs in status.get("initContainerStatuses") or []:
+        terminated = (cs.get("state") or {}).get("terminated") or (cs.get("lastState") or {}).get(
+            "terminated"
+        )
+        if terminated and terminated.get("exitCode", 0) != 0:
+            message = (terminated.get("message") or "").strip().splitlines()
+            why = f": {message[-1][:300]}" if message else ""
+            return (
+                f"InitContainerFailed: {cs.get('name')} {terminated.get('reason') or 'Error'} "
+                f"(exit code {terminated.get('exitCode')}){why}"
+            )
     return None
 
 

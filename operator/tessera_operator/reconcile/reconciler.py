@@ -446,6 +446,7 @@ class Reconciler:
             self.writes.disruption_budget(ref, planned.spec, decision.surge),
             self.writes.network_policies(ref, planned.spec),
             self.writes.router(ref, planned.spec),
+            self.writes.model_cache(ref, planned.spec),
             *(
                 self.writes.delete_pod(ref.namespace, pod, uids.get(pod), pod in leaders)
                 for pod in decision.delete_pods

@@ -96,6 +96,7 @@ STALLED_REASONS = frozenset(
         "FailedDelete",
         "FailedScale",
         "ProgressDeadlineExceeded",
+        "ModelCacheUnavailable",  # spec.model.cache names a class or claim that is not there
     }
 )
 

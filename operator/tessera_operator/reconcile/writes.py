@@ -17,6 +17,11 @@ from tessera_operator import builders, naming
 from tessera_operator.api import InferenceClusterSpec, InferenceClusterStatus
 from tessera_operator.builders import ClusterRef
 from tessera_operator.kube import RETRYABLE, ApiError, KubeClient, core_path, custom_path
+from tessera_operator.reconcile.model_cache_writes import (
+    MODEL_CACHE_UNAVAILABLE,
+    ModelCacheUnavailable,
+    write_model_cache,
+)
 from tessera_operator.reconcile.observe import controlled_by, is_orphaned
 from tessera_operator.reconcile.owned_plans import (
     ServicePlan,
@@ -292,3 +297,15 @@ class Writes:
         except ApiError as exc:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
                 raise refusal(FAILED_CREATE, "updating the podgroups", exc) from exc
+
+    async def model_cache(self, ref: ClusterRef, spec: InferenceClusterSpec) -> None:
+        """spec.model.cache's claim (made, or the named one checked), or ours removed without one."""
+        try:
+            await write_model_cache(self.client, ref, spec)
+        except NotOurs as exc:
+            raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
+        except ModelCacheUnavailable as exc:
+            raise WriteRefused(MODEL_CACHE_UNAVAILABLE, str(exc)) from exc
+        except ApiError as exc:
+            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
+                raise refusal(FAILED_CREATE, "updating the model cache's claim", exc) from exc

