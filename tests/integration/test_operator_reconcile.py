@@ -344,7 +344,6 @@ def garbage_collects_everything(cluster: Any, ns: str, pool: dict[str, Any]) -> 
         "name": "smollm2-epp",
         "port": {"number": 9002},
         "failureMode": "FailClose",
-        "group": "",
         "kind": "Service",
     }
     # Owned as the rest.
