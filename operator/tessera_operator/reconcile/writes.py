@@ -268,15 +268,8 @@ class Writes:
 
     async def router(self, ref: ClusterRef, spec: InferenceClusterSpec) -> None:
         """The router's Deployment, ServiceAccount, Role and RoleBinding (spec.router), or none."""
-        try:
-            await write_router(self.client, ref, spec)
-        except NotOurs as exc:
-            raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
-        except PoolUnavailable as exc:
-            raise WriteRefused(POOL_UNAVAILABLE, str(exc)) from exc
-        except ApiError as exc:
-            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
-                raise refusal(FAILED_CREATE, "updating the router", exc) from exc
+        write = write_router(self.client, ref, spec)
+        await owned_objects(write, "the router", PoolUnavailable, POOL_UNAVAILABLE)
 
     async def pod_groups(
         self,
@@ -288,24 +281,26 @@ class Writes:
         create_groups: Iterable[int],
     ) -> None:
         """The Volcano PodGroups of spec.scheduling (pod_group_writes.py), or none."""
-        try:
-            await write_pod_groups(self.client, ref, spec, revision, pods, delete_pods, create_groups)
-        except NotOurs as exc:
-            raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
-        except SchedulerUnavailable as exc:
-            raise WriteRefused(SCHEDULER_UNAVAILABLE, str(exc)) from exc
-        except ApiError as exc:
-            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
-                raise refusal(FAILED_CREATE, "updating the podgroups", exc) from exc
+        write = write_pod_groups(self.client, ref, spec, revision, pods, delete_pods, create_groups)
+        await owned_objects(write, "the podgroups", SchedulerUnavailable, SCHEDULER_UNAVAILABLE)
 
     async def model_cache(self, ref: ClusterRef, spec: InferenceClusterSpec) -> None:
         """spec.model.cache's claim (made, or the named one checked), or ours removed without one."""
-        try:
-            await write_model_cache(self.client, ref, spec)
-        except NotOurs as exc:
-            raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
-        except ModelCacheUnavailable as exc:
-            raise WriteRefused(MODEL_CACHE_UNAVAILABLE, str(exc)) from exc
-        except ApiError as exc:
-            if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
-                raise refusal(FAILED_CREATE, "updating the model cache's claim", exc) from exc
+        write = write_model_cache(self.client, ref, spec)
+        await owned_objects(write, "the model cache's claim", ModelCacheUnavailable, MODEL_CACHE_UNAVAILABLE)
+
+
+async def owned_objects(
+    write: Awaitable[None], what: str, unavailable: type[Exception], unavailable_reason: str
+) -> None:
+    """One write_owned-based writer, its failures as the reconciler reports them: not ours, the
+    API it needs not served (`unavailable`), or refused."""
+    try:
+        await write
+    except NotOurs as exc:
+        raise not_ours(FAILED_CREATE, f"creating {exc.kind.lower()} {exc.name}", exc.kind) from exc
+    except unavailable as exc:
+        raise WriteRefused(unavailable_reason, str(exc)) from exc
+    except ApiError as exc:
+        if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass looks again
+            raise refusal(FAILED_CREATE, f"updating {what}", exc) from exc
